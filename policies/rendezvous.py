@@ -1,0 +1,44 @@
+"""Rendezvous (highest-random-weight) hashing.
+
+Every replica gets a pseudo-random score for a key; replicas are ranked by score. Any
+process that knows the key and the replica ids computes the same ranking, so independent
+proxy instances (and reruns of an eval arm) agree without sharing state, and removing a
+replica moves only the keys it ranked first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+
+
+def rendezvous_weight(key: str, replica_id: str) -> int:
+    """The 64-bit score of ``replica_id`` for ``key``: blake2b, never ``hash()``, whose
+    per-process salt would make every proxy instance disagree."""
+    key_bytes = key.encode("utf-8")
+    # Length-prefix the key so ("ab", "c") and ("a", "bc") cannot hash alike.
+    payload = len(key_bytes).to_bytes(8, "big") + key_bytes + replica_id.encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big")
+
+
+def _weighted_score(key: str, replica_id: str, weight: float) -> float:
+    # Weighted rendezvous (Schindelhauer & Schomaker): score = -w / ln(u) gives each
+    # replica a share of keys proportional to its weight. u is built from 52 bits so it is
+    # exact and strictly inside (0, 1), keeping ln(u) finite and negative.
+    u = ((rendezvous_weight(key, replica_id) >> 12) * 2 + 1) / 2.0**53
+    return -weight / math.log(u)
+
+
+def rendezvous_order(
+    key: str, ids: Sequence[str], weights: Mapping[str, float] | None = None
+) -> list[str]:
+    """``ids`` ranked for ``key``, most preferred first; ties broken by id.
+
+    With no ``weights`` (or all equal) the ranking uses exact integer scores, identical on
+    every platform. Unequal ``weights`` (> 0) skew each replica's share of keys towards
+    its weight.
+    """
+    if weights is None or len({weights[i] for i in ids}) <= 1:
+        return sorted(ids, key=lambda i: (-rendezvous_weight(key, i), i))
+    return sorted(ids, key=lambda i: (-_weighted_score(key, i, weights[i]), i))
