@@ -38,7 +38,7 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes",
             "--dir",
             str(self.dir),
             "--daemonize",

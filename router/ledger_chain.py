@@ -1,0 +1,84 @@
+"""Cache state fingerprints (DESIGN.md §3): pure functions, the same here and in Redis.
+
+``genesis(engine) = sha1("kvledger/1|" + engine)`` and ``step(state, digest) = sha1(state + "|" +
+digest)``. The chain step must run inside one Redis Lua script so that several proxy instances
+serving one replica keep one chain, and Redis Lua offers ``redis.sha1hex`` and no other hash: so
+the chain is SHA-1. It identifies histories, it does not authenticate them, so SHA-1's collision
+weakness does not matter here. ``step`` below is the exact Python twin of that script's step, and
+a test holds them together. Request digests are computed only in Python, so they use SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+GENESIS_PREFIX = "kvledger/1|"
+
+
+def genesis(engine_digest: str) -> str:
+    """The state of an empty cache. Neither the replica id nor the generation enters it, so fresh
+    caches of identical engines compare equal."""
+    return hashlib.sha1((GENESIS_PREFIX + engine_digest).encode()).hexdigest()
+
+
+def step(state: str, digest: str) -> str:
+    """The state after one request with ``digest`` (what the Lua script computes in Redis)."""
+    return hashlib.sha1((state + "|" + digest).encode()).hexdigest()
+
+
+def fold(state: str, digests: list[str]) -> str:
+    """The state after ``digests`` in order."""
+    for digest in digests:
+        state = step(state, digest)
+    return state
+
+
+def _canonical(value: Any) -> bytes:
+    # A JSON array of strings cannot be confused with another one (every string is quoted and
+    # escaped), and sorted keys make equal parameter mappings encode equally.
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+
+
+def request_digest(model: str, prompt: str, params: Mapping[str, Any], output: str) -> str:
+    """What one request put into the cache: model, prompt text, sampling parameters, output."""
+    return hashlib.sha256(_canonical([model, prompt, dict(params), output])).hexdigest()
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def params_digest(params: Mapping[str, Any]) -> str:
+    return hashlib.sha256(_canonical(dict(params))).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ChainHead:
+    """A replica's chain as Redis holds it: ``seq`` requests served since ``generation`` began."""
+
+    replica: str
+    generation: int
+    seq: int
+    state: str
+    engine_digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Advance:
+    """The result of one chain step.
+
+    ``stale`` means the request ran in an older generation than Redis holds: the chain did not
+    move, and ``generation``, ``seq`` and both states describe the current head instead.
+    """
+
+    replica: str
+    generation: int
+    seq: int
+    state_before: str
+    state_after: str
+    stale: bool = False
