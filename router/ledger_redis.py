@@ -24,6 +24,7 @@ from router.ledger_chain import Advance, ChainHead
 
 PREFIX = "kvl:"
 KEYS_HASH = PREFIX + "keys"
+KEY_NAMES = PREFIX + "key-names"  # name -> sha256, so a name is claimed atomically (HSETNX)
 LINEAGE = PREFIX + "lineage"
 GENERATIONS = PREFIX + "generations"
 # Generation changes are rare (resets, restarts); this keeps years of them.

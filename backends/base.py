@@ -1,0 +1,126 @@
+"""The one protocol every engine client speaks, and the values that cross it.
+
+Errors (translated from the engine client's own exceptions at this boundary)::
+
+    BackendError                     anything that went wrong talking to a replica
+     ├── BackendUnavailable          could not reach the replica or its model; nothing was streamed
+     ├── BackendRejected             the replica refused the request as invalid (a client mistake)
+     └── BackendFailed               the replica failed after the request was accepted
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class BackendError(Exception):
+    """A replica could not serve a request."""
+
+    def __init__(self, replica: str, message: str) -> None:
+        super().__init__(f"replica {replica}: {message}")
+        self.replica = replica
+        self.detail = message
+
+
+class BackendUnavailable(BackendError):
+    """The replica or its model cannot be reached; no output was produced."""
+
+
+class BackendRejected(BackendError):
+    """The replica rejected the request's inputs."""
+
+
+class BackendFailed(BackendError):
+    """The replica failed while serving an accepted request."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation, in engine terms (the fronts translate OpenAI and Triton shapes to it)."""
+
+    request_id: str
+    prompt: str
+    max_tokens: int = 16
+    stream: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()
+
+    def sampling(self) -> dict[str, object]:
+        """The parameters that decide the output, for digests and snapshots."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": list(self.stop),
+            "bad_words": list(self.bad_words),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """TensorRT-LLM's per-request statistics (``return_perf_metrics``)."""
+
+    reused_blocks: int = 0
+    new_blocks: int = 0
+    total_blocks: int = 0
+    arrival_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A piece of output; the last one (``final``) carries the statistics."""
+
+    text: str
+    final: bool = False
+    stats: EngineStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCounters:
+    """What the replica says about itself, for generation tracking and continuity checks."""
+
+    ready: bool
+    request_count: int = 0
+    iteration_counter: float = 0.0
+    reused_blocks: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """An engine client for one replica: stream a generation, reset, health, metrics, close."""
+
+    replica_id: str
+
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
+        """Yield the output as it is produced; cancelling the iteration cancels the request."""
+        ...
+
+    async def reset(self) -> None:
+        """Empty the replica's KV cache (for TensorRT-LLM: unload and load the model)."""
+        ...
+
+    async def ready(self) -> bool:
+        """Server live and model ready."""
+        ...
+
+    async def engine_digest(self) -> str:
+        """A digest of server version, model name, version and config."""
+        ...
+
+    async def counters(self) -> ReplicaCounters:
+        """Readiness, request counter and the engine's cache counters."""
+        ...
+
+    async def close(self) -> None: ...

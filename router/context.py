@@ -1,0 +1,65 @@
+"""The app's typed state keys and the small steps every front handler shares."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from router.dispatch import Dispatcher
+from router.errors import Unauthorized, Unavailable
+from router.fleet import Fleet
+from router.ledger import Ledger, LedgerUnavailable
+from router.ledger_keys import KeyStore
+from router.lineage import Principal
+from router.metrics import Metrics
+from router.parse import load_json
+from router.settings import Settings
+
+SETTINGS = web.AppKey("settings", Settings)
+REDIS = web.AppKey("redis", aioredis.Redis)
+HTTP = web.AppKey("http", aiohttp.ClientSession)
+FLEET = web.AppKey("fleet", Fleet)
+LEDGER = web.AppKey("ledger", Ledger)
+KEYS = web.AppKey("keys", KeyStore)
+METRICS = web.AppKey("metrics", Metrics)
+DISPATCH = web.AppKey("dispatch", Dispatcher)
+
+ANONYMOUS = Principal(name="anonymous")
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(12)
+
+
+def bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("X-Api-Key") or None
+
+
+async def authenticate(request: web.Request) -> Principal:
+    """The key's principal; 401 for a missing or unknown key unless anonymous use is allowed."""
+    token = bearer(request)
+    if token is None:
+        if request.app[SETTINGS].allow_anonymous:
+            return ANONYMOUS
+        raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    try:
+        profile = await request.app[KEYS].lookup(token)
+    except LedgerUnavailable as exc:
+        raise Unavailable(
+            "cannot check this API key while Redis is unreachable", headers={"Retry-After": "1"}
+        ) from exc
+    if profile is None:
+        raise Unauthorized("invalid API key")
+    return Principal(name=profile.name, mode=profile.mode)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    return load_json(await request.read())

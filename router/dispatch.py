@@ -1,0 +1,206 @@
+"""Dispatch: principal and request → policy → replica → stream → ledger.
+
+The chain head is read concurrently with the backend call (the response headers need it, the
+backend does not), and the chain advances once when the request ends, whatever the ending:
+a cancelled request still touched the cache. In production a replica that cannot be reached is
+skipped for the next candidate, but only while nothing has been streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from backends.base import (
+    BackendError,
+    BackendFailed,
+    BackendRejected,
+    BackendUnavailable,
+    Chunk,
+    EngineStats,
+)
+from policies import Decision, NoReplicaAvailable, Policy, RequestFeatures, prefix_block_hashes
+from router.errors import BadRequest, NotFound, Unavailable, UpstreamFailed
+from router.fleet import Fleet, ReplicaState
+from router.ledger import Ledger, LedgerError
+from router.lineage import Admission, Outcome, Principal, build_record, commit
+from router.metrics import Metrics
+from router.parse import Parsed
+
+_log = structlog.get_logger("kvledger.dispatch")
+
+
+@dataclass
+class Flight:
+    """One request admitted to one replica; iterate ``chunks()``, then call ``finish()`` once."""
+
+    dispatcher: Dispatcher
+    parsed: Parsed
+    principal: Principal
+    replica: ReplicaState
+    decision: Decision
+    head: asyncio.Task[Admission]
+    stream: AsyncGenerator[Chunk, None]
+    first: Chunk
+    started: float
+    first_chunk_at: float
+    finished: bool = False
+
+    async def admission(self) -> Admission:
+        return await self.head
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        self._pieces: list[str] = []
+        self._stats: EngineStats | None = None
+        chunk: Chunk | None = self.first
+        while chunk is not None:
+            self._pieces.append(chunk.text)
+            if chunk.stats is not None:
+                self._stats = chunk.stats
+            yield chunk
+            chunk = None if chunk.final else await self._next()
+
+    async def _next(self) -> Chunk:
+        try:
+            return await anext(self.stream)
+        except StopAsyncIteration as exc:
+            raise UpstreamFailed(f"replica {self.replica.id} ended the stream early") from exc
+        except BackendError as exc:
+            raise UpstreamFailed(str(exc)) from exc
+
+    @property
+    def text(self) -> str:
+        return "".join(getattr(self, "_pieces", ()))
+
+    async def finish(self, status: str) -> dict[str, Any]:
+        """Release the replica, advance its chain, write the lineage record; returns the record."""
+        if self.finished:
+            raise RuntimeError("finish() called twice")
+        self.finished = True
+        self.replica.in_flight -= 1
+        self.dispatcher.policy.on_finish(self.replica.id)
+        if status != "ok":
+            await self.stream.aclose()  # cancels the request inside Triton
+        outcome = Outcome(
+            status=status,
+            output=self.text,
+            stats=getattr(self, "_stats", None),
+            latency_s=time.perf_counter() - self.started,
+            first_chunk_s=self.first_chunk_at - self.started,
+        )
+        return await self.dispatcher.settle(self, outcome)
+
+
+class Dispatcher:
+    """Routes production requests; owned by the app, one per proxy instance."""
+
+    def __init__(self, fleet: Fleet, ledger: Ledger, policy: Policy, metrics: Metrics) -> None:
+        self.fleet = fleet
+        self.ledger = ledger
+        self.policy = policy
+        self.metrics = metrics
+
+    def select(self, parsed: Parsed) -> Decision:
+        views = self.fleet.views(parsed.model)
+        if not views:
+            raise NotFound(f"model '{parsed.model}' is not served here", param="model")
+        tokens_per_block = self.fleet.serving(parsed.model)[0].settings.tokens_per_block
+        features = RequestFeatures(
+            prefix_hashes=prefix_block_hashes(parsed.request.prompt, tokens_per_block),
+            prompt_tokens=len(parsed.request.prompt.encode()),
+            model=parsed.model,
+        )
+        try:
+            return self.policy.select(features, views)
+        except NoReplicaAvailable as exc:
+            raise Unavailable(str(exc), headers={"Retry-After": "1"}) from exc
+
+    async def open(self, parsed: Parsed, principal: Principal) -> Flight:
+        """Start the request on the chosen replica, failing over while nothing was streamed."""
+        decision = self.select(parsed)
+        failures: list[str] = []
+        for replica_id in decision.candidates:
+            replica = self.fleet[replica_id]
+            if not replica.healthy or replica.draining or replica.leased_by:
+                continue
+            flight = await self._try(parsed, principal, replica, decision, failures)
+            if flight is not None:
+                return flight
+        raise Unavailable(
+            "no replica could take the request: " + "; ".join(failures or ["none eligible"]),
+            headers={"Retry-After": "1"},
+        )
+
+    async def _try(
+        self,
+        parsed: Parsed,
+        principal: Principal,
+        replica: ReplicaState,
+        decision: Decision,
+        failures: list[str],
+    ) -> Flight | None:
+        started = time.perf_counter()
+        replica.in_flight += 1
+        self.policy.on_start(replica.id)
+        head = asyncio.create_task(self._admit(replica))
+        stream = replica.backend.stream(parsed.request)
+        try:
+            first = await anext(stream)
+        except BaseException as exc:
+            replica.in_flight -= 1
+            self.policy.on_finish(replica.id)
+            head.cancel()
+            await stream.aclose()
+            if isinstance(exc, BackendUnavailable):
+                replica.healthy = False  # the monitor brings it back when it answers again
+                failures.append(str(exc))
+                _log.warning("replica_unavailable", replica=replica.id, error=exc.detail)
+                return None
+            raise _translate(exc) from exc
+        return Flight(
+            self,
+            parsed,
+            principal,
+            replica,
+            decision,
+            head,
+            stream,
+            first,
+            started,
+            time.perf_counter(),
+        )
+
+    async def _admit(self, replica: ReplicaState) -> Admission:
+        try:
+            head = await self.ledger.head(replica.id)
+        except LedgerError:
+            return Admission(
+                replica.id, replica.generation, None, None, replica.engine_digest, True
+            )
+        return Admission(
+            replica.id, head.generation, head.seq, head.state, head.engine_digest, False
+        )
+
+    async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]:
+        admission = await flight.admission()
+        record = build_record(flight, admission, outcome)
+        await commit(self.ledger, record)
+        self.metrics.observe(record, outcome.latency_s)
+        replica = flight.replica
+        replica.served += 1
+        replica.reused_blocks += int(record["reused_blocks"])
+        replica.total_blocks += int(record["total_blocks"])
+        return record
+
+
+def _translate(exc: BaseException) -> BaseException:
+    if isinstance(exc, BackendRejected):
+        return BadRequest(f"the replica rejected the request: {exc.detail}")
+    if isinstance(exc, BackendFailed):
+        return UpstreamFailed(str(exc))
+    return exc

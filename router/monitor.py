@@ -1,0 +1,95 @@
+"""Generation tracking: notice when a replica's cache was emptied behind the proxy's back.
+
+Every few seconds each replica is asked for readiness, Triton's request counter for the model
+and the engine's cache counters. A restart or a reload shows as counters that went backwards,
+or as a model that was unavailable and came back; either way its KV cache started empty, so the
+generation rises by one, the chain restarts at genesis, and ``kvl:generations`` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import structlog
+
+from backends.base import BackendError, ReplicaCounters
+from router.fleet import Fleet, ReplicaState
+from router.ledger import Ledger, LedgerError
+
+_log = structlog.get_logger("kvledger.monitor")
+
+
+def generation_change(
+    before: ReplicaCounters | None, now: ReplicaCounters, was_down: bool
+) -> str | None:
+    """Why the replica's cache must be considered new, or None (pure; tested on its own)."""
+    if not now.ready:
+        return None
+    if was_down:
+        return "model unavailable, then ready again"
+    if before is None or not before.ready:
+        return None
+    for name, old, new in (
+        ("request counter", before.request_count, now.request_count),
+        ("iteration counter", before.iteration_counter, now.iteration_counter),
+        ("reused-block counter", before.reused_blocks, now.reused_blocks),
+    ):
+        if new < old:
+            return f"{name} went backwards ({old:g} -> {new:g}): restart or reload"
+    return None
+
+
+class Monitor:
+    """One polling task for the whole fleet; owned by the app's cleanup context."""
+
+    def __init__(self, fleet: Fleet, ledger: Ledger, interval_s: float) -> None:
+        self.fleet = fleet
+        self.ledger = ledger
+        self.interval_s = interval_s
+        self._down: dict[str, bool] = {}
+        self._pending: dict[str, str] = {}
+
+    async def run(self) -> None:
+        while True:
+            await self.tick()
+            await asyncio.sleep(self.interval_s)
+
+    async def tick(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.fleet))
+
+    async def check(self, replica: ReplicaState) -> None:
+        try:
+            now = await replica.backend.counters()
+        except BackendError:
+            now = ReplicaCounters(ready=False)
+        if not now.ready:
+            if replica.healthy or replica.id not in self._down:
+                _log.warning("replica_not_ready", replica=replica.id)
+            replica.healthy = False
+            # Only a replica that had been seen serving can "come back" with an empty cache.
+            self._down[replica.id] = replica.counters is not None
+            return
+        reason = generation_change(replica.counters, now, self._down.get(replica.id, False))
+        if reason is not None:
+            self._pending[replica.id] = reason
+        replica.counters = now
+        self._down[replica.id] = False
+        replica.healthy = True
+        with contextlib.suppress(LedgerError, BackendError):
+            await self._sync(replica)
+
+    async def _sync(self, replica: ReplicaState) -> None:
+        """Bring the ledger's generation up to date; retried next tick if Redis is away."""
+        digest = await replica.backend.engine_digest()
+        if replica.engine_digest and digest != replica.engine_digest:
+            self._pending.setdefault(replica.id, "engine digest changed")
+        head = await self.ledger.ensure_replica(replica.id, digest)
+        reason = self._pending.pop(replica.id, None)
+        if reason is not None:
+            head = await self.ledger.new_generation(replica.id, digest, reason)
+            _log.info(
+                "generation_raised", replica=replica.id, generation=head.generation, reason=reason
+            )
+        replica.generation = head.generation
+        replica.engine_digest = digest

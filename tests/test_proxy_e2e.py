@@ -1,0 +1,216 @@
+"""End to end: openai SDK and plain HTTP → kvledger (its own process) → stand-in Triton replicas."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import orjson
+import pytest
+import urllib3
+
+from backends.sim.launcher import Replica
+from policies import prefix_block_hashes, rendezvous_order
+from tests.ledger_view import LedgerView
+from tests.proxy_harness import Proxy
+from tests.servers import RedisServer
+from tests.triton_helpers import reset
+
+HTTP = urllib3.PoolManager()
+HEADERS = ("X-Request-Id", "X-Kvl-Replica", "X-Kvl-Generation", "X-Kvl-Seq", "X-Kvl-State")
+LONG_PREFIX = "You are a meticulous research agent with tools. " * 8
+
+
+@pytest.fixture(scope="module")
+def stack(replicas: dict[str, Replica]) -> Iterator[tuple[Proxy, str, LedgerView]]:
+    """A proxy in front of r1 and r2 with its own Redis, and a production key."""
+    redis = RedisServer()
+    redis.start()
+    proxy = Proxy([replicas["r1"], replicas["r2"]], redis.url)
+    proxy.start()
+    key = proxy.create_key("e2e")
+    try:
+        yield proxy, key, LedgerView(redis.url)
+    finally:
+        proxy.stop()
+        redis.close()
+
+
+def client(proxy: Proxy, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
+
+
+def post(proxy: Proxy, path: str, body: Any, key: str | None, **headers: str) -> Any:
+    all_headers = {"Content-Type": "application/json", **headers}
+    if key is not None:
+        all_headers["Authorization"] = f"Bearer {key}"
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    return HTTP.request("POST", proxy.url + path, body=data, headers=all_headers, retries=False)
+
+
+def sse(data: bytes) -> list[Any]:
+    return [
+        orjson.loads(line[6:])
+        for line in data.splitlines()
+        if line.startswith(b"data: ") and line != b"data: [DONE]"
+    ]
+
+
+def assert_annotated(headers: Any, record: dict[str, Any], stored: dict[str, Any] | None) -> None:
+    for name in HEADERS:
+        assert name in headers, name
+    assert stored == record
+    assert headers["X-Request-Id"] == record["request_id"]
+    assert headers["X-Kvl-Replica"] == record["replica"]
+    assert int(headers["X-Kvl-Generation"]) == record["generation"]
+    assert int(headers["X-Kvl-Seq"]) == record["seq"]
+    assert headers["X-Kvl-State"] == record["state_before"]
+    assert record["state_after"] and record["status"] == "ok"
+
+
+def test_every_front_annotates_and_matches_redis(stack: tuple[Proxy, str, LedgerView]) -> None:
+    """Chat, completions and generate, streamed or not: headers and body equal the stored record."""
+    proxy, key, ledger = stack
+    sdk = client(proxy, key)
+    raw = sdk.chat.completions.with_raw_response.create(
+        model="ensemble",
+        max_tokens=8,
+        messages=[{"role": "user", "content": "hi " + uuid.uuid4().hex}],
+    )
+    chat = raw.parse()
+    record = chat.model_extra["kvledger"]
+    assert_annotated(raw.headers, record, ledger.record(record["request_id"]))
+    assert chat.usage.prompt_tokens_details.cached_tokens == record["cached_tokens"]
+
+    raw_stream = sdk.chat.completions.with_raw_response.create(
+        model="ensemble",
+        max_tokens=8,
+        stream=True,
+        messages=[{"role": "user", "content": "stream " + uuid.uuid4().hex}],
+    )
+    chunks = list(raw_stream.parse())
+    streamed = [c.model_extra["kvledger"] for c in chunks if c.model_extra.get("kvledger")]
+    assert len(streamed) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert ledger.record(streamed[0]["request_id"])["output_digest"] == streamed[0]["output_digest"]
+    assert_annotated(raw_stream.headers, streamed[0], ledger.record(streamed[0]["request_id"]))
+    assert text
+
+    completion = post(
+        proxy,
+        "/v1/completions",
+        {"model": "ensemble", "prompt": "c " + uuid.uuid4().hex, "max_tokens": 6},
+        key,
+    )
+    body = orjson.loads(completion.data)
+    assert_annotated(
+        completion.headers, body["kvledger"], ledger.record(body["kvledger"]["request_id"])
+    )
+
+    generate = post(
+        proxy,
+        "/v2/models/ensemble/generate",
+        {"text_input": "g " + uuid.uuid4().hex, "max_tokens": 6},
+        key,
+    )
+    body = orjson.loads(generate.data)
+    assert body["text_output"].startswith("g ")
+    assert_annotated(
+        generate.headers, body["kvledger"], ledger.record(body["kvledger"]["request_id"])
+    )
+
+    stream = post(
+        proxy,
+        "/v2/models/ensemble/generate_stream",
+        {"text_input": "gs " + uuid.uuid4().hex, "max_tokens": 6},
+        key,
+    )
+    events = sse(stream.data)
+    assert "kvledger" in events[-1] and all("kvledger" not in e for e in events[:-1])
+    record = events[-1]["kvledger"]
+    assert_annotated(stream.headers, record, ledger.record(record["request_id"]))
+
+
+def test_identical_requests_chain_and_reuse(stack: tuple[Proxy, str, LedgerView]) -> None:
+    """The same request twice: one replica, seq +1, chained states, reused blocks, cached tokens."""
+    proxy, key, _ = stack
+    sdk = client(proxy, key)
+    messages = [
+        {"role": "system", "content": LONG_PREFIX},
+        {"role": "user", "content": "twice " + uuid.uuid4().hex},
+    ]
+    first = sdk.chat.completions.create(model="ensemble", max_tokens=4, messages=messages)
+    second = sdk.chat.completions.create(model="ensemble", max_tokens=4, messages=messages)
+    a, b = first.model_extra["kvledger"], second.model_extra["kvledger"]
+    assert a["replica"] == b["replica"]
+    assert b["seq"] == a["seq"] + 1
+    assert b["state_before"] == a["state_after"]
+    assert b["reused_blocks"] > 0
+    assert second.usage.prompt_tokens_details.cached_tokens == b["reused_blocks"] * 16 > 0
+
+
+def prompt_for(replica: str, ids: list[str]) -> str:
+    """A prompt whose leading block prefix_affinity sends to ``replica``."""
+    for _ in range(200):
+        prompt = uuid.uuid4().hex * 2 + " " + LONG_PREFIX
+        home = rendezvous_order(prefix_block_hashes(prompt, 16, 1)[0], ids)[0]
+        if home == replica:
+            return prompt
+    raise AssertionError("no prompt maps to " + replica)
+
+
+def test_reload_behind_the_proxy_raises_the_generation(
+    stack: tuple[Proxy, str, LedgerView], replicas: dict[str, Replica]
+) -> None:
+    """Unload+load straight on Triton: generation +1, the reason logged, chain at genesis."""
+    proxy, key, ledger = stack
+    prompt = prompt_for("r2", ["r1", "r2"])
+    body = {"model": "ensemble", "prompt": prompt, "max_tokens": 4}
+    before = orjson.loads(post(proxy, "/v1/completions", body, key).data)["kvledger"]
+    assert before["replica"] == "r2"
+    reset(replicas["r2"])
+    deadline = time.monotonic() + 15
+    while ledger.head("r2")["generation"] == before["generation"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    head = ledger.head("r2")
+    assert head["generation"] == before["generation"] + 1
+    reasons = [g for g in ledger.generations() if g["replica"] == "r2"]
+    assert reasons[-1]["generation"] == head["generation"]
+    assert "unavailable" in reasons[-1]["reason"] or "backwards" in reasons[-1]["reason"]
+    after = orjson.loads(post(proxy, "/v1/completions", body, key).data)["kvledger"]
+    assert after["replica"] == "r2"
+    assert after["generation"] == head["generation"]
+    assert after["seq"] == 0
+    assert after["state_before"] == ledger.genesis(after["engine_digest"])
+    assert after["reused_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "path", "body", "key"),
+    [
+        (401, "/v1/chat/completions", {"model": "ensemble", "messages": []}, "kvl-wrong"),
+        (401, "/v1/completions", {"model": "ensemble", "prompt": "x"}, None),
+        (400, "/v1/chat/completions", b"{not json", "KEY"),
+        (400, "/v1/chat/completions", {"model": "ensemble"}, "KEY"),
+        (400, "/v1/chat/completions", {"model": "ensemble", "messages": "hi"}, "KEY"),
+        (400, "/v1/completions", {"model": "ensemble", "prompt": "x", "max_tokens": "9"}, "KEY"),
+        (400, "/v1/completions", {"model": "ensemble", "prompt": "x", "temperature": -1}, "KEY"),
+        (400, "/v2/models/ensemble/generate", {"max_tokens": 3}, "KEY"),
+        (400, "/v2/models/ensemble/generate", {"text_input": "x", "max_tokens": -3}, "KEY"),
+        (404, "/v1/completions", {"model": "nope", "prompt": "x"}, "KEY"),
+        (404, "/v2/models/nope/generate", {"text_input": "x"}, "KEY"),
+        (413, "/v1/completions", {"model": "ensemble", "prompt": "x" * (2 << 20)}, "KEY"),
+    ],
+)
+def test_bad_input_gets_a_clear_4xx(
+    stack: tuple[Proxy, str, LedgerView], status: int, path: str, body: Any, key: str | None
+) -> None:
+    """Client mistakes get the right 4xx with an OpenAI-shaped error body, never a 500."""
+    proxy, real_key, _ = stack
+    response = post(proxy, path, body, real_key if key == "KEY" else key)
+    assert response.status == status
+    error = orjson.loads(response.data)["error"]
+    assert error["message"] and error["type"] and error["code"]
