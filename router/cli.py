@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from router import cli_keys, cli_lineage, cli_replicas, cli_serve, cli_up
+from router import cli_keys, cli_lineage, cli_replica, cli_replicas, cli_serve, cli_up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_up.register(commands)
     cli_serve.register(commands)
     cli_replicas.register(commands)
+    cli_replica.register(commands)
     cli_keys.register(commands)
     cli_lineage.register(commands)
     return parser

@@ -16,7 +16,7 @@ ALLOWED = {
     "policies": {"policies"},
 }
 # backends.sim runs inside Triton; only the launcher command may import it from the router.
-SIM_IMPORTERS = {"router/cli_replicas.py", "router/cli_up.py"}
+SIM_IMPORTERS = {"router/cli_replica.py", "router/cli_replicas.py", "router/cli_up.py"}
 
 
 def imports(path: Path) -> set[str]:
