@@ -52,8 +52,9 @@ class TritonTarget:
     grpc: str
     metrics: str
     model: str = "ensemble"
-    seed_input: str = "seed"  # "random_seed" before TensorRT-LLM 0.17
-    perf_input: str = "return_perf_metrics"  # "return_kv_cache_reuse_stats" in older versions
+    seed_input: str = "seed"  # "random_seed" before TensorRT-LLM 0.20
+    perf_input: str = "return_perf_metrics"  # "return_kv_cache_reuse_stats" before 0.19
+    token_counts: bool = True  # return_num_{input,output}_tokens: ensembles of 0.16-0.19 lack them
     timeout_s: float = 10.0
 
 
@@ -64,16 +65,26 @@ def _tensor(name: str, value: Any, dtype: Any, triton_type: str) -> InferInput:
     return tensor
 
 
-def build_inputs(target: TritonTarget, request: GenerationRequest) -> list[InferInput]:
-    """The ensemble's inputs for one request; always excluding the prompt, always with stats."""
+def constant_inputs(target: TritonTarget) -> tuple[InferInput, ...]:
+    """Inputs every request carries: never echo the prompt, always return the statistics.
+
+    Built once per replica: an InferInput is only read when a request is serialised.
+    """
+    names = ["exclude_input_in_output", target.perf_input]
+    if target.token_counts:
+        names += ["return_num_input_tokens", "return_num_output_tokens"]
+    return tuple(_tensor(name, True, np.bool_, "BOOL") for name in names)
+
+
+def build_inputs(
+    target: TritonTarget, request: GenerationRequest, constant: tuple[InferInput, ...]
+) -> list[InferInput]:
+    """The ensemble's inputs for one request."""
     inputs = [
         _tensor("text_input", request.prompt.encode(), np.object_, "BYTES"),
         _tensor("max_tokens", request.max_tokens, np.int32, "INT32"),
         _tensor("stream", request.stream, np.bool_, "BOOL"),
-        _tensor("exclude_input_in_output", True, np.bool_, "BOOL"),
-        _tensor(target.perf_input, True, np.bool_, "BOOL"),
-        _tensor("return_num_input_tokens", True, np.bool_, "BOOL"),
-        _tensor("return_num_output_tokens", True, np.bool_, "BOOL"),
+        *constant,
     ]
     optional: tuple[tuple[str, Any, Any, str], ...] = (
         ("temperature", request.temperature, np.float32, "FP32"),
@@ -124,9 +135,10 @@ class TritonBackend:
         self.replica_id = target.replica_id
         self._client = grpcaio.InferenceServerClient(target.grpc)
         self._http = http
+        self._constant = constant_inputs(target)
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
-        inputs = build_inputs(self.target, request)
+        inputs = build_inputs(self.target, request, self._constant)
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
             yield {

@@ -44,6 +44,7 @@ def triton_backends(settings: Settings, http: aiohttp.ClientSession) -> dict[str
             model=r.model,
             seed_input=r.seed_input,
             perf_input=r.perf_input,
+            token_counts=r.token_counts,
             timeout_s=settings.limits.backend_timeout_s,
         )
         backends[r.id] = TritonBackend(target, http)

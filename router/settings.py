@@ -33,6 +33,7 @@ class ReplicaSettings:
     tokens_per_block: int = 16
     seed_input: str = "seed"
     perf_input: str = "return_perf_metrics"
+    token_counts: bool = True
 
 
 @dataclass(frozen=True)

@@ -87,11 +87,14 @@ def test_client_gone_mid_stream_cancels_and_records(
         f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
-    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=90) as sock:
         sock.sendall(request)
         received = b""
         while received.count(b"data: ") < 3:
-            received += sock.recv(65536)
+            try:
+                received += sock.recv(65536)
+            except TimeoutError as exc:
+                raise AssertionError(f"no stream: {received!r}\n{proxy.log[-3000:]}") from exc
         replica = next(
             line.split(b": ")[1].decode()
             for line in received.split(b"\r\n")
@@ -104,7 +107,8 @@ def test_client_gone_mid_stream_cancels_and_records(
         if records:
             break
         time.sleep(0.2)
-    assert len(records) == 1 and records[0]["replica"] == replica
+    assert len(records) == 1, proxy.log[-3000:]
+    assert records[0]["replica"] == replica
     assert records[0]["state_after"], "the cancelled request still advanced the chain"
     # The replica went idle long before 3000 tokens: generation was cancelled inside Triton.
     active = "nv_trt_llm_request_metrics"
