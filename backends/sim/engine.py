@@ -1,0 +1,303 @@
+"""The stand-in engine: a tiny transformer behind a TensorRT-LLM-like paged KV cache.
+
+Reruns of a workload diverge only because of cache state: a prompt whose prefix is cached is
+computed page by page and merged by log-sum-exp instead of in one pass, and the 16-bit
+rounding of that different order can flip a near-tied token. Nothing random is injected;
+the same request from the same cache state yields the same bytes, always.
+
+Errors: `EngineError` for bad parameters or configuration and for a request that cannot fit
+in the KV cache ("KV cache capacity exceeded").
+
+`Engine` is thread-safe: requests run one at a time, in the order they take its lock.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from backends.sim.kvcache import CapacityError, PagedKVCache, Session
+from backends.sim.numerics import F64, keep_freed_memory
+from backends.sim.tokenizer import EOS_ID, VOCAB_SIZE, Sampler, encode, piece
+from backends.sim.transformer import Transformer
+
+FinishReason = Literal["stop", "length", "cancelled"]
+_PREALLOCATE_MAX = 4096  # output tokens whose K/V buffer is allocated up front
+
+
+class EngineError(Exception):
+    """A request or configuration the engine rejects, or a request that does not fit."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Model shape, cache geometry and numerics; the defaults are the demo replica's."""
+
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 256
+    tokens_per_block: int = 16
+    capacity_blocks: int = 8192
+    reuse: bool = True
+    float_format: Literal["bf16", "fp16", "fp32"] = "bf16"
+    weight_bits: Literal[16, 4] = 16
+    weight_seed: int = 0
+    prefill_chunk: int = 512
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; max_tokens=0 runs (and caches) the prefill and emits nothing."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    end_id: int = EOS_ID
+    stop_words: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()
+
+
+@dataclass
+class GenerationResult:
+    """Output, block accounting (as TensorRT-LLM reports it) and time.time_ns() stamps."""
+
+    prompt_tokens: int
+    output_tokens: list[int]
+    text: str
+    reused_blocks: int
+    new_blocks: int
+    total_blocks: int
+    arrival_time_ns: int
+    first_scheduled_time_ns: int
+    first_token_time_ns: int
+    last_token_time_ns: int
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Pool occupancy now, and cumulative counters for metrics."""
+
+    max_blocks: int
+    free_blocks: int
+    used_blocks: int
+    tokens_per_block: int
+    reused_blocks_total: int  # cumulative since the engine started, across resets
+    iterations: int  # cumulative forward steps: one per prefill chunk or decoded token
+    requests_completed: int
+
+
+def _validate_config(c: EngineConfig) -> None:
+    sizes = (c.d_model, c.n_layers, c.n_heads, c.d_ff, c.tokens_per_block, c.prefill_chunk)
+    if min(sizes) < 1 or c.capacity_blocks < 1:
+        raise EngineError("model sizes, tokens_per_block, prefill_chunk, capacity must be >= 1")
+    if c.d_model % c.n_heads or (c.d_model // c.n_heads) % 2:
+        raise EngineError("d_model must split into n_heads heads of even size")
+    if c.float_format not in ("bf16", "fp16", "fp32"):
+        raise EngineError(f"float_format must be bf16, fp16 or fp32, not {c.float_format!r}")
+    if c.weight_bits not in (16, 4):
+        raise EngineError(f"weight_bits must be 16 or 4, not {c.weight_bits!r}")
+    if c.weight_bits == 4 and (c.d_model % 32 or c.d_ff % 32):
+        raise EngineError("int4 weights need d_model and d_ff to be multiples of 32")
+    if c.weight_seed < 0:
+        raise EngineError("weight_seed must be >= 0")
+
+
+def _validate_params(p: SamplingParams) -> None:
+    if p.max_tokens < 0:
+        raise EngineError(f"max_tokens must be >= 0, got {p.max_tokens}")
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise EngineError(f"temperature must be a finite number >= 0, got {p.temperature}")
+    if p.top_k < 0:
+        raise EngineError(f"top_k must be >= 0 (0 means no limit), got {p.top_k}")
+    if not 0.0 < p.top_p <= 1.0:
+        raise EngineError(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.seed < 0:
+        raise EngineError(f"seed must be >= 0, got {p.seed}")
+    if not 0 <= p.end_id < VOCAB_SIZE:
+        raise EngineError(f"end_id must be a token id in [0, {VOCAB_SIZE}), got {p.end_id}")
+    if any(not w for w in p.stop_words + p.bad_words):
+        raise EngineError("stop_words and bad_words must not contain empty strings")
+
+
+class Engine:
+    """Serial generation against one paged KV cache."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        _validate_config(config)
+        keep_freed_memory()
+        self.config = config
+        self.model = Transformer(
+            d_model=config.d_model,
+            n_layers=config.n_layers,
+            n_heads=config.n_heads,
+            d_ff=config.d_ff,
+            fmt=config.float_format,
+            weight_bits=config.weight_bits,
+            seed=config.weight_seed,
+        )
+        self._cache = PagedKVCache(
+            capacity_blocks=config.capacity_blocks,
+            tokens_per_block=config.tokens_per_block,
+            reuse=config.reuse,
+            layers=config.n_layers,
+            heads=config.n_heads,
+            head_dim=config.d_model // config.n_heads,
+        )
+        self._lock = threading.Lock()
+        self._iterations = 0
+        self._completed = 0
+
+    def reset(self) -> None:
+        """Empty the KV cache (weights and cumulative counters are kept)."""
+        with self._lock:
+            self._cache.clear()
+
+    def stats(self) -> CacheStats:
+        cache = self._cache
+        return CacheStats(
+            max_blocks=cache.capacity,
+            free_blocks=cache.capacity - cache.used_blocks,
+            used_blocks=cache.used_blocks,
+            tokens_per_block=cache.tpb,
+            reused_blocks_total=cache.reused_blocks_total,
+            iterations=self._iterations,
+            requests_completed=self._completed,
+        )
+
+    def generate(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        *,
+        on_token: Callable[[int, str], None] | None = None,
+        is_cancelled: Callable[[], bool] | None = None,
+        arrival_time_ns: int | None = None,
+    ) -> GenerationResult:
+        """Generate a completion; `on_token(id, text)` streams each emitted token."""
+        arrival = time.time_ns() if arrival_time_ns is None else arrival_time_ns
+        _validate_params(params)
+        tokens = encode(prompt)
+        if not tokens:
+            raise EngineError("prompt must not be empty")
+        with self._lock:
+            scheduled = time.time_ns()
+            expected = len(tokens) + min(params.max_tokens, _PREALLOCATE_MAX)
+            session = self._cache.begin(tokens, expected)
+            try:
+                run = _Run(self, session, params, on_token, is_cancelled)
+                run.execute()
+            except CapacityError as exc:
+                self._cache.finish(session, register=False)
+                raise EngineError(str(exc)) from exc
+            except BaseException:
+                self._cache.finish(session, register=False)
+                raise
+            self._cache.finish(session, register=True)
+            self._completed += 1
+        end = time.time_ns()
+        return GenerationResult(
+            prompt_tokens=len(tokens),
+            output_tokens=run.output,
+            text=run.text,
+            reused_blocks=len(session.reused),
+            new_blocks=session.new_blocks,
+            total_blocks=len(session.reused) + session.new_blocks,
+            arrival_time_ns=arrival,
+            first_scheduled_time_ns=scheduled,
+            first_token_time_ns=run.first_token_ns or end,
+            last_token_time_ns=run.last_token_ns or end,
+            finish_reason=run.finish_reason,
+        )
+
+    def _forward(self, session: Session, start: int, end: int, decode: bool) -> F64:
+        session.reserve(end)
+        chunk = np.asarray(session.tokens[start:end], dtype=np.int64)
+        logits = self.model.forward(
+            chunk,
+            start,
+            session.kt,
+            session.v,
+            decode=decode,
+            tokens_per_block=self.config.tokens_per_block,
+        )
+        session.computed = end
+        self._iterations += 1
+        return logits
+
+
+class _Run:
+    """The token loop of one request."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        session: Session,
+        params: SamplingParams,
+        on_token: Callable[[int, str], None] | None,
+        is_cancelled: Callable[[], bool] | None,
+    ) -> None:
+        self.engine, self.session, self.params = engine, session, params
+        self.on_token = on_token
+        self.is_cancelled = is_cancelled or (lambda: False)
+        self.output: list[int] = []
+        self.text = ""
+        self.first_token_ns = 0
+        self.last_token_ns = 0
+        self.finish_reason: FinishReason = "length"
+
+    def execute(self) -> None:
+        if self.is_cancelled():
+            self.finish_reason = "cancelled"
+            return
+        logits = self._prefill()
+        if self.params.max_tokens == 0:
+            return
+        p = self.params
+        sampler = Sampler(p.temperature, p.top_k, p.top_p, p.seed, p.end_id, p.bad_words)
+        while True:
+            token = sampler.pick(logits, self.text.encode("ascii"))
+            if token == self.params.end_id:
+                self.finish_reason = "stop"
+                return
+            self._emit(token)
+            if any(self.text.endswith(w) for w in self.params.stop_words):
+                self.finish_reason = "stop"
+                return
+            if len(self.output) >= self.params.max_tokens:
+                return
+            if self.is_cancelled():
+                self.finish_reason = "cancelled"
+                return
+            self.session.tokens.append(token)
+            pos = self.session.computed
+            logits = self.engine._forward(self.session, pos, pos + 1, decode=True)
+
+    def _prefill(self) -> F64:
+        """Chunks of prefill_chunk tokens counted from the cache boundary."""
+        session, chunk = self.session, self.engine.config.prefill_chunk
+        start, n = session.computed, len(session.tokens)
+        logits: F64 = np.zeros(0)
+        while start < n:
+            end = min(start + chunk, n)
+            logits = self.engine._forward(session, start, end, decode=False)
+            start = end
+        return logits
+
+    def _emit(self, token: int) -> None:
+        text = piece(token)
+        self.output.append(token)
+        self.text += text
+        self.last_token_ns = time.time_ns()
+        self.first_token_ns = self.first_token_ns or self.last_token_ns
+        if self.on_token is not None:
+            self.on_token(token, text)

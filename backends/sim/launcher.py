@@ -1,0 +1,273 @@
+"""Start stand-in replicas: real ``tritonserver`` processes from the nvidia-pytriton wheel.
+
+Each replica is one Triton server (its own loopback ports, its own shared-memory prefix, its own
+model repository) started with ``--model-control-mode=explicit`` and the ``ensemble`` model
+loaded, so resets are real unload and load calls, exactly as on a GPU fleet.
+
+Used by the ``kvledger replicas up`` command, the README's demo and the tests::
+
+    with launch([ReplicaSpec("r1"), ReplicaSpec("r2", ModelSettings(reuse=False))]) as replicas:
+        print(replicas[0].http_url)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backends.sim.repository import MODEL_NAME, ModelSettings, write_repository
+
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class LaunchError(RuntimeError):
+    """A replica did not come up; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    id: str
+    model: ModelSettings = field(default_factory=ModelSettings)
+
+
+@dataclass
+class Replica:
+    """A running stand-in replica and where it listens."""
+
+    spec: ReplicaSpec
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    workdir: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "tritonserver.log"
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def pytriton_dir() -> Path:
+    """Where the nvidia-pytriton wheel keeps ``tritonserver`` and the Python backend."""
+    try:
+        import pytriton
+    except ImportError as exc:
+        raise LaunchError(
+            "the stand-in replica needs the 'sim' extra: pip install -e '.[sim]'"
+        ) from exc
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def backend_directory(root: Path) -> Path:
+    """A ``--backend-directory`` whose ``python/`` has the backend and the stub for this Python."""
+    wheel = pytriton_dir()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = wheel / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise LaunchError(f"nvidia-pytriton ships no Python-backend stub for Python {version}")
+    target = root / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for source in (
+        wheel / "backends" / "python" / "libtriton_python.so",
+        wheel / "backends" / "python" / "triton_python_backend_utils.py",
+        stub,
+    ):
+        link = target / source.name
+        if not link.exists():
+            link.symlink_to(source)
+    return root
+
+
+def server_environment() -> dict[str, str]:
+    """The stub must load this interpreter's libpython and find this venv's packages."""
+    env = dict(os.environ)
+    libs = [
+        str(sysconfig.get_config_var("LIBDIR")),
+        str(pytriton_dir().parent.parent / "nvidia_pytriton.libs"),
+    ]
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(libs)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = ":".join(p for p in (str(_PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+    # The engine is single-threaded by design; BLAS threads would only fight the proxy for cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel says are free now (held open together so they are distinct)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def server_command(replica: Replica, backends: Path) -> list[str]:
+    """The ``tritonserver`` command line for one replica."""
+    binary = pytriton_dir() / "bin" / "tritonserver"
+    prefix = f"kvl_{replica.id}_{os.getpid()}_{replica.http_port}_"
+    return [
+        str(binary),
+        f"--model-repository={replica.workdir / 'models'}",
+        f"--backend-directory={backends}",
+        f"--backend-config=python,shm-region-prefix-name={prefix}",
+        "--model-control-mode=explicit",
+        f"--load-model={MODEL_NAME}",
+        f"--http-port={replica.http_port}",
+        f"--grpc-port={replica.grpc_port}",
+        f"--metrics-port={replica.metrics_port}",
+        "--http-address=127.0.0.1",
+        "--grpc-address=127.0.0.1",
+        "--allow-metrics=true",
+        "--metrics-interval-ms=500",
+        "--exit-on-error=true",
+        "--log-verbose=0",
+    ]
+
+
+def start(spec: ReplicaSpec, root: Path, backends: Path) -> Replica:
+    """Start one replica's server (without waiting for it to be ready)."""
+    http, grpc, metrics = free_ports(3)
+    workdir = root / spec.id
+    workdir.mkdir(parents=True, exist_ok=True)
+    replica = Replica(spec, http, grpc, metrics, workdir)
+    write_repository(workdir / "models", spec.model)
+    log = replica.log_path.open("ab")
+    replica.process = subprocess.Popen(
+        server_command(replica, backends),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=server_environment(),
+        start_new_session=True,
+    )
+    log.close()
+    return replica
+
+
+def is_ready(replica: Replica) -> bool:
+    """Server live and the ``ensemble`` model ready, through Triton's HTTP health API."""
+    url = f"{replica.http_url}/v2/models/{MODEL_NAME}/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_ready(replicas: Sequence[Replica], timeout: float = 120.0) -> None:
+    """Block until every replica serves its model, or raise with the failing one's log."""
+    deadline = time.monotonic() + timeout
+    pending = list(replicas)
+    while pending:
+        for replica in list(pending):
+            if replica.process is not None and replica.process.poll() is not None:
+                raise LaunchError(
+                    f"replica {replica.id} exited with {replica.process.returncode}:\n"
+                    + replica.log_tail()
+                )
+            if is_ready(replica):
+                pending.remove(replica)
+        if pending and time.monotonic() > deadline:
+            raise LaunchError(f"replica {pending[0].id} not ready in {timeout:.0f}s")
+        if pending:
+            time.sleep(0.2)
+
+
+def stop(replica: Replica, timeout: float = 20.0) -> None:
+    """SIGTERM the server (Triton unloads models and exits), SIGKILL its group if it lingers."""
+    stop_all([replica], timeout)
+
+
+def stop_all(replicas: Sequence[Replica], timeout: float = 20.0) -> None:
+    """Signal every server first, then wait: shutdowns overlap instead of queueing."""
+    running = [r.process for r in replicas if r.process is not None and r.process.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in running:
+        _reap(process, max(0.1, deadline - time.monotonic()))
+
+
+def _reap(process: subprocess.Popen[bytes], timeout: float) -> None:
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def launch(
+    specs: Sequence[ReplicaSpec], workdir: Path | None = None, timeout: float = 120.0
+) -> Iterator[list[Replica]]:
+    """Start the replicas, wait until all are ready, yield them, and stop them all on exit."""
+    root = Path(tempfile.mkdtemp(prefix="kvl-replicas-")) if workdir is None else workdir
+    replicas: list[Replica] = []
+    try:
+        backends = backend_directory(root / "backends")
+        replicas.extend(start(spec, root, backends) for spec in specs)
+        wait_ready(replicas, timeout)
+        yield replicas
+    finally:
+        stop_all(replicas)
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def config_snippet(replicas: Sequence[Replica]) -> str:
+    """TOML the proxy's config reads: one ``[[replicas]]`` table per replica."""
+    blocks = []
+    for r in replicas:
+        blocks.append(
+            "[[replicas]]\n"
+            f'id = "{r.id}"\n'
+            f'grpc = "{r.grpc_url}"\n'
+            f'http = "{r.http_url}"\n'
+            f'metrics = "{r.metrics_url}"\n'
+            f'model = "{MODEL_NAME}"\n'
+            f"reuse = {'true' if r.spec.model.reuse else 'false'}\n"
+            f"tokens_per_block = {r.spec.model.tokens_per_block}\n"
+        )
+    return "\n".join(blocks)
