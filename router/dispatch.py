@@ -122,6 +122,10 @@ class Dispatcher:
 
     async def open(self, parsed: Parsed, principal: Principal) -> Flight:
         """Start the request on the chosen replica, failing over while nothing was streamed."""
+        # Every log event of this request's task carries its id and key (contextvars are per task).
+        structlog.contextvars.bind_contextvars(
+            request_id=parsed.request.request_id, key=principal.name
+        )
         decision = self.select(parsed)
         failures: list[str] = []
         for replica_id in decision.candidates:
