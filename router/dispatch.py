@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -50,18 +50,18 @@ class Flight:
     started: float
     first_chunk_at: float
     finished: bool = False
+    pieces: list[str] = field(default_factory=list)
+    stats: EngineStats | None = None
 
     async def admission(self) -> Admission:
         return await self.head
 
     async def chunks(self) -> AsyncIterator[Chunk]:
-        self._pieces: list[str] = []
-        self._stats: EngineStats | None = None
         chunk: Chunk | None = self.first
         while chunk is not None:
-            self._pieces.append(chunk.text)
+            self.pieces.append(chunk.text)
             if chunk.stats is not None:
-                self._stats = chunk.stats
+                self.stats = chunk.stats
             yield chunk
             chunk = None if chunk.final else await self._next()
 
@@ -75,7 +75,7 @@ class Flight:
 
     @property
     def text(self) -> str:
-        return "".join(getattr(self, "_pieces", ()))
+        return "".join(self.pieces)
 
     async def finish(self, status: str) -> dict[str, Any]:
         """Release the replica, advance its chain, write the lineage record; returns the record."""
@@ -89,7 +89,7 @@ class Flight:
         outcome = Outcome(
             status=status,
             output=self.text,
-            stats=getattr(self, "_stats", None),
+            stats=self.stats,
             latency_s=time.perf_counter() - self.started,
             first_chunk_s=self.first_chunk_at - self.started,
         )
