@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
@@ -73,17 +75,26 @@ async def round_(
     into.elapsed += time.perf_counter() - start
 
 
-async def measure(direct: str, proxied: str, key: str, args: argparse.Namespace) -> None:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(
+    direct: str, proxied: str, key: str, proxy_pid: int, args: argparse.Namespace
+) -> None:
     auth = {"Authorization": f"Bearer {key}"}
     connector = aiohttp.TCPConnector(limit=64)
     async with aiohttp.ClientSession(connector=connector) as session:
         print(
             f"{'mode':<12}{'conc':>5}{'direct p50':>12}{'proxy p50':>11}{'added p50':>11}"
-            f"{'direct p99':>12}{'proxy p99':>11}{'rps ratio':>11}"
+            f"{'direct p99':>12}{'proxy p99':>11}{'rps ratio':>11}{'proxy cpu/req':>15}"
         )
         for path in ("generate", "generate_stream"):
             for concurrency in (1, 32):
                 sides = {"direct": Samples(), "proxy": Samples()}
+                cpu = 0.0
                 for _name, base, headers in (("direct", direct, {}), ("proxy", proxied, auth)):
                     await round_(
                         session,
@@ -96,6 +107,7 @@ async def measure(direct: str, proxied: str, key: str, args: argparse.Namespace)
                     )  # warm-up
                 for _ in range(args.rounds):
                     for name, base, headers in (("direct", direct, {}), ("proxy", proxied, auth)):
+                        before = cpu_seconds(proxy_pid)
                         await round_(
                             session,
                             f"{base}/v2/models/ensemble/{path}",
@@ -105,11 +117,13 @@ async def measure(direct: str, proxied: str, key: str, args: argparse.Namespace)
                             args.max_tokens,
                             sides[name],
                         )
+                        if name == "proxy":
+                            cpu += cpu_seconds(proxy_pid) - before
                 d, p = sides["direct"], sides["proxy"]
                 print(
                     f"{path:<12}{concurrency:>5}{d.p(0.5):>10.2f}ms{p.p(0.5):>9.2f}ms"
                     f"{p.p(0.5) - d.p(0.5):>9.2f}ms{d.p(0.99):>10.2f}ms{p.p(0.99):>9.2f}ms"
-                    f"{p.rps / d.rps:>11.2f}"
+                    f"{p.rps / d.rps:>11.2f}{cpu / len(p.latencies) * 1000:>13.2f}ms"
                 )
         print(
             f"(median of per-request latency; {args.requests} requests per cell, "
@@ -131,7 +145,9 @@ def main() -> None:
             proxy.start()
             try:
                 key = proxy.create_key("bench")
-                asyncio.run(measure(replicas[0].http_url, proxy.url, key, args))
+                assert proxy.process is not None
+                pid = proxy.process.pid
+                asyncio.run(measure(replicas[0].http_url, proxy.url, key, pid, args))
             finally:
                 proxy.stop()
     finally:
