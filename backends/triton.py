@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import grpc
 import numpy as np
 import orjson
 import tritonclient.grpc.aio as grpcaio
@@ -168,8 +169,21 @@ class TritonBackend:
             raise BackendFailed(self.replica_id, "stream ended without a final response")
         except InferenceServerException as exc:
             raise self._translate(exc, produced) from exc
+        except grpc.RpcError as exc:  # tritonclient passes errors of the stream itself through
+            raise self._translate_rpc(exc, produced) from exc
         finally:
             call.cancel()
+
+    def _translate_rpc(self, error: grpc.RpcError, produced: bool) -> Exception:
+        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+        message = f"{code.name if code else 'RPC error'}: " + (
+            error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+        )
+        if code == grpc.StatusCode.UNAVAILABLE and not produced:
+            return BackendUnavailable(self.replica_id, message)
+        if code == grpc.StatusCode.INVALID_ARGUMENT and not produced:
+            return BackendRejected(self.replica_id, message)
+        return BackendFailed(self.replica_id, message)
 
     def _translate(self, error: InferenceServerException, produced: bool) -> Exception:
         message = error.message() or str(error)

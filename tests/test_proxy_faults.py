@@ -11,7 +11,7 @@ import orjson
 import pytest
 import urllib3
 
-from backends.sim.launcher import Replica
+from backends.sim.launcher import Replica, ReplicaSpec, launch, stop
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy
 from tests.servers import RedisServer
@@ -138,3 +138,21 @@ def test_client_gone_mid_stream_cancels_and_records(
         metrics(replicas[replica]), "nv_trt_llm_general_metrics", general_type="iteration_counter"
     )
     assert first == second
+
+
+def test_replica_down_moves_production_requests(redis_server: RedisServer) -> None:
+    """A replica killed behind the proxy: production requests still succeed, on the other one."""
+    with launch([ReplicaSpec("down-a"), ReplicaSpec("down-b")]) as (a, b):
+        proxy = Proxy([a, b], redis_server.url, policy="round_robin", monitor_interval_s=30)
+        proxy.start()
+        try:
+            key = proxy.create_key("failover")
+            stop(a)  # the monitor will not notice for 30 s: dispatch must handle it
+            placed = []
+            for i in range(6):
+                response = complete(proxy, key, f"after the crash {i}")
+                assert response.status == 200, proxy.log[-4000:]
+                placed.append(response.headers["X-Kvl-Replica"])
+            assert set(placed) == {"down-b"}
+        finally:
+            proxy.stop()
