@@ -2,7 +2,7 @@
 
 The server is a real ``tritonserver`` (from the nvidia-pytriton wheel) started with the
 launcher's own helpers (``backend_directory``, ``server_command``, ``server_environment``,
-``wait_ready``), but on fixed ports and a chosen bind address instead of free loopback ports.
+``wait_ready``), on fixed ports and a chosen bind address instead of free loopback ports.
 The command waits until the model is ready, prints where the replica listens, passes SIGTERM
 and SIGINT on to the server and exits with the server's exit code, so a container runtime
 stopping it sees the server stop.
@@ -17,17 +17,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from backends.sim.launcher import Replica
-
-WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-# The launcher binds loopback; these are the arguments it uses for that, replaced here.
-_ADDRESS_FLAGS = ("--http-address=", "--grpc-address=", "--metrics-address=")
 
 
 def _port(value: str) -> int:
@@ -78,39 +73,9 @@ def register(commands: Any) -> None:
     serve.set_defaults(run=run_serve)
 
 
-def probe_host(host: str) -> str:
-    """Where this machine reaches a server bound to ``host`` (a wildcard means loopback)."""
-    host = WILDCARDS.get(host, host)
-    return f"[{host}]" if ":" in host else host
-
-
-def bound_command(command: Sequence[str], host: str) -> list[str]:
-    """The launcher's command with its loopback bind addresses replaced by ``host``."""
-    kept = [arg for arg in command if not arg.startswith(_ADDRESS_FLAGS)]
-    return kept + [flag + host for flag in _ADDRESS_FLAGS]
-
-
 def _replica(args: argparse.Namespace, workdir: Path) -> Replica:
     from backends.sim.launcher import Replica, ReplicaSpec
     from backends.sim.repository import ModelSettings
-
-    @dataclass
-    class BoundReplica(Replica):
-        """A replica on fixed ports; its URLs say where this machine reaches it."""
-
-        host: str = "127.0.0.1"
-
-        @property
-        def http_url(self) -> str:
-            return f"http://{probe_host(self.host)}:{self.http_port}"
-
-        @property
-        def grpc_url(self) -> str:
-            return f"{probe_host(self.host)}:{self.grpc_port}"
-
-        @property
-        def metrics_url(self) -> str:
-            return f"http://{probe_host(self.host)}:{self.metrics_port}/metrics"
 
     model = ModelSettings(
         reuse=args.reuse,
@@ -120,7 +85,7 @@ def _replica(args: argparse.Namespace, workdir: Path) -> Replica:
         weight_seed=args.weight_seed,
     )
     ports = (args.http_port, args.grpc_port, args.metrics_port)
-    return BoundReplica(ReplicaSpec(args.id, model), *ports, workdir / args.id, host=args.host)
+    return Replica(ReplicaSpec(args.id, model), *ports, workdir / args.id, host=args.host)
 
 
 @contextlib.contextmanager
@@ -170,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
     with _workdir(args.workdir) as root:
         replica = _replica(args, root)
         try:
-            process = _start(replica, root, args.host, forwarder)
+            process = _start(replica, root, forwarder)
             wait_ready([replica], args.ready_timeout)
         except (LaunchError, OSError) as exc:
             stop(replica)
@@ -186,9 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
             stop(replica)
 
 
-def _start(
-    replica: Replica, root: Path, host: str, forwarder: _Forwarder
-) -> subprocess.Popen[bytes]:
+def _start(replica: Replica, root: Path, forwarder: _Forwarder) -> subprocess.Popen[bytes]:
     """Write the model repository and start the server with the launcher's command line."""
     from backends.sim.launcher import backend_directory, server_command, server_environment
     from backends.sim.repository import write_repository
@@ -197,9 +160,7 @@ def _start(
     write_repository(replica.workdir / "models", replica.spec.model)
     command = server_command(replica, backend_directory(root / "backends"))
     # The server's output is this command's output: the container's log.
-    process = subprocess.Popen(
-        bound_command(command, host), env=server_environment(), start_new_session=True
-    )
+    process = subprocess.Popen(command, env=server_environment(), start_new_session=True)
     replica.process = forwarder.process = process
     if forwarder.received is not None:  # stopped while the repository was being written
         process.send_signal(forwarder.received)

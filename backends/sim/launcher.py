@@ -31,6 +31,7 @@ from pathlib import Path
 from backends.sim.repository import MODEL_NAME, ModelSettings, write_repository
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
 class LaunchError(RuntimeError):
@@ -53,22 +54,29 @@ class Replica:
     metrics_port: int
     workdir: Path
     process: subprocess.Popen[bytes] | None = None
+    host: str = "127.0.0.1"  # the address the server binds
 
     @property
     def id(self) -> str:
         return self.spec.id
 
     @property
+    def reach(self) -> str:
+        """Where this machine reaches the server (a wildcard bind means loopback)."""
+        host = _WILDCARDS.get(self.host, self.host)
+        return f"[{host}]" if ":" in host else host
+
+    @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.reach}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.reach}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{self.reach}:{self.metrics_port}/metrics"
 
     @property
     def log_path(self) -> Path:
@@ -157,8 +165,9 @@ def server_command(replica: Replica, backends: Path) -> list[str]:
         f"--http-port={replica.http_port}",
         f"--grpc-port={replica.grpc_port}",
         f"--metrics-port={replica.metrics_port}",
-        "--http-address=127.0.0.1",
-        "--grpc-address=127.0.0.1",
+        f"--http-address={replica.host}",
+        f"--grpc-address={replica.host}",
+        f"--metrics-address={replica.host}",
         "--allow-metrics=true",
         "--metrics-interval-ms=500",
         "--exit-on-error=true",
