@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class BackendError(Exception):
@@ -50,6 +50,23 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()
+
+    @classmethod
+    def from_sampling(
+        cls, request_id: str, prompt: str, params: dict[str, Any]
+    ) -> GenerationRequest:
+        """The request that ``sampling()`` described (snapshots store that form)."""
+        return cls(
+            request_id=request_id,
+            prompt=prompt,
+            max_tokens=int(params["max_tokens"]),
+            temperature=params.get("temperature"),
+            top_k=params.get("top_k"),
+            top_p=params.get("top_p"),
+            seed=params.get("seed"),
+            stop=tuple(params.get("stop") or ()),
+            bad_words=tuple(params.get("bad_words") or ()),
+        )
 
     def sampling(self) -> dict[str, object]:
         """The parameters that decide the output, for digests and snapshots."""
@@ -95,6 +112,7 @@ class ReplicaCounters:
     request_count: int = 0
     iteration_counter: float = 0.0
     reused_blocks: float = 0.0
+    active: float = 0.0  # requests the engine holds now (queued or running), from any client
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -121,6 +139,10 @@ class Backend(Protocol):
 
     async def counters(self) -> ReplicaCounters:
         """Readiness, request counter and the engine's cache counters."""
+        ...
+
+    async def request_count(self) -> int:
+        """Requests the model has completed since it was loaded (restarts at 0 on a reload)."""
         ...
 
     async def close(self) -> None: ...

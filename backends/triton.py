@@ -263,6 +263,7 @@ class TritonBackend:
             request_count=count,
             iteration_counter=sample(page, "nv_trt_llm_general_metrics", "iteration_counter"),
             reused_blocks=sample(page, _KV, 'kv_cache_block_type="reused"'),
+            active=sample(page, "nv_trt_llm_request_metrics", 'request_type="active"'),
             metrics=page,
         )
 

@@ -19,15 +19,31 @@ from aiohttp import web
 from backends.base import Backend
 from backends.triton import TritonBackend, TritonTarget
 from policies import make_policy
-from router import front_admin, front_openai, front_ops, front_triton
-from router.context import DISPATCH, FLEET, HTTP, KEYS, LEDGER, METRICS, REDIS, SETTINGS
+from router import front_admin, front_openai, front_ops, front_runs, front_triton
+from router.context import (
+    DISPATCH,
+    EVAL,
+    FLEET,
+    HTTP,
+    KEYS,
+    LEDGER,
+    METRICS,
+    REDIS,
+    RUNS,
+    SETTINGS,
+)
 from router.dispatch import Dispatcher
 from router.errors import error_middleware
+from router.eval_dispatch import EvalDispatcher
 from router.fleet import Fleet, ReplicaState
 from router.ledger import Ledger, LedgerConfig
+from router.ledger_errors import LedgerError
 from router.ledger_keys import KeyStore
+from router.ledger_runs import RunStore
+from router.ledger_turns import Turns
 from router.metrics import Metrics
 from router.monitor import Monitor
+from router.runs import Runs
 from router.settings import Settings
 
 BackendFactory = Callable[[Settings, aiohttp.ClientSession], Mapping[str, Backend]]
@@ -89,7 +105,13 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
         app[METRICS] = Metrics(fleet, app[LEDGER].stats)
         policy = make_policy(settings.policy, **dict(settings.policy_options))
         app[DISPATCH] = Dispatcher(fleet, app[LEDGER], policy, app[METRICS])
-        monitor = Monitor(fleet, app[LEDGER], settings.monitor_interval_s)
+        turns, store = Turns(app[REDIS]), RunStore(app[REDIS])
+        # Other proxies learn a new lease within one monitor interval: resets wait that long.
+        runs = Runs(fleet, app[LEDGER], store, turns, settings.eval, settings.monitor_interval_s)
+        app[RUNS] = runs
+        app[EVAL] = EvalDispatcher(fleet, app[LEDGER], runs, turns, settings.eval, app[METRICS])
+        await _register(store, settings)
+        monitor = Monitor(fleet, app[LEDGER], settings.monitor_interval_s, hook=runs.tick)
         await monitor.tick()  # know health and generations before the first request
         task = asyncio.create_task(monitor.run(), name="kvl-monitor")
         try:
@@ -103,6 +125,15 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
     return ctx
 
 
+async def _register(store: RunStore, settings: Settings) -> None:
+    """Tell Redis which replicas exist, so keys can be checked against them without a proxy."""
+    entries = {r.id: {"model": r.model, "reuse": r.reuse} for r in settings.replicas}
+    try:
+        await store.register(entries)
+    except LedgerError as exc:
+        _log.warning("replicas_not_registered", error=str(exc))
+
+
 def create_app(
     settings: Settings, *, backends: BackendFactory = triton_backends
 ) -> web.Application:
@@ -112,6 +143,6 @@ def create_app(
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(_fleet_ctx(backends))
-    for module in (front_openai, front_triton, front_ops, front_admin):
+    for module in (front_openai, front_triton, front_ops, front_admin, front_runs):
         app.add_routes(module.routes())
     return app

@@ -10,7 +10,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from router import cli_keys, cli_lineage, cli_replica, cli_replicas, cli_serve, cli_up
+from router import (
+    cli_keys,
+    cli_lineage,
+    cli_replica,
+    cli_replicas,
+    cli_runs,
+    cli_serve,
+    cli_up,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_replica.register(commands)
     cli_keys.register(commands)
     cli_lineage.register(commands)
+    cli_runs.register(commands)
     return parser
 
 

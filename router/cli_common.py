@@ -176,20 +176,25 @@ class AdminApi:
             )
         return cls(url.rstrip("/"), token, args.admin_token_env)
 
-    def call(self, method: str, path: str) -> Any:
+    def call(self, method: str, path: str, body: Any = None, timeout_s: float = 10) -> Any:
         """The JSON answer, or a CliError that says in one line what went wrong."""
         import http.client
         import urllib.error
         import urllib.request
 
+        data = orjson.dumps(body) if body is not None else (b"" if method == "POST" else None)
         request = urllib.request.Request(
             self.url + path,
             method=method,
-            data=b"" if method == "POST" else None,
-            headers={"Authorization": f"Bearer {self.token}", "Accept": "application/json"},
+            data=data,
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Accept": "application/json",
+                "Content-Type": "application/json",
+            },
         )
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 body = response.read()
         except urllib.error.HTTPError as exc:
             raise CliError(self._refused(exc.code, exc.read())) from None

@@ -75,8 +75,22 @@ def run_create(args: argparse.Namespace) -> int:
         profile = validate_profile(fields, created_at=now_iso())
     except ProfileError as exc:
         raise CliError(f"{FLAGS.get(exc.param, exc.param)}: {exc.message}", code=2) from None
+
+    async def create(client: Any) -> str:
+        from router.ledger_runs import RunStore
+        from router.profiles import REPLAY, check_fleet
+
+        store = RunStore(client)
+        snapshot = (profile.cache or "").removeprefix(REPLAY)
+        exists = snapshot != profile.cache and await store.snapshot(snapshot) is not None
+        try:
+            check_fleet(profile, await store.registry(), exists)
+        except ProfileError as exc:
+            raise CliError(f"{FLAGS.get(exc.param, exc.param)}: {exc.message}", code=2) from None
+        return await KeyStore(client).create(profile)
+
     try:
-        raw = with_redis(redis_url(args, os.environ), lambda r: KeyStore(r).create(profile))
+        raw = with_redis(redis_url(args, os.environ), create)
     except ValueError as exc:  # the name is taken
         raise CliError(str(exc)) from None
     # The key alone on stdout, so KEY=$(kvledger keys create ...) captures just the key.

@@ -69,6 +69,13 @@ def _register_admin(replicas: argparse.ArgumentParser, actions: Any) -> None:
         action.add_argument("replica_id", metavar="ID")
         add_admin_options(action, suppress=True)
         action.set_defaults(run=run_drain, drain=name == "drain")
+    reset = actions.add_parser(
+        "reset",
+        help="verified reset: stop admitting, wait until idle, reload, confirm, new generation",
+    )
+    reset.add_argument("replica_id", metavar="ID")
+    add_admin_options(reset, suppress=True)
+    reset.set_defaults(run=run_reset)
 
 
 @cli_errors
@@ -98,6 +105,23 @@ def run_drain(args: argparse.Namespace) -> int:
         print(f"{args.replica_id}: draining, {body.get('in_flight', 0)} request(s) in flight")
     else:
         print(f"{args.replica_id}: taking production traffic again")
+    return 0
+
+
+@cli_errors
+def run_reset(args: argparse.Namespace) -> int:
+    api = AdminApi.from_args(args, os.environ)
+    print(f"{args.replica_id}: resetting (waits for in-flight requests)...", file=sys.stderr)
+    path = f"/admin/replicas/{quote(args.replica_id, safe='')}/reset"
+    body = api.call("POST", path, timeout_s=900)
+    if args.json:
+        print_json_lines([body])
+    else:
+        print(
+            f"{body['replica']}: generation {body['generation']}, state {body['state'][:12]}"
+            f" (genesis); waited {body['waited_ms']} ms, reload {body['reload_ms']} ms,"
+            f" total {body['duration_ms']} ms"
+        )
     return 0
 
 

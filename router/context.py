@@ -9,14 +9,16 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from router.dispatch import Dispatcher
-from router.errors import Unauthorized, Unavailable
+from router.dispatch import Dispatcher, Flight
+from router.errors import BadRequest, Unauthorized, Unavailable
+from router.eval_dispatch import EvalDispatcher
 from router.fleet import Fleet
 from router.ledger import Ledger, LedgerUnavailable
 from router.ledger_keys import KeyStore
 from router.lineage import Principal
 from router.metrics import Metrics
-from router.parse import load_json
+from router.parse import Parsed, load_json
+from router.runs import Runs
 from router.settings import Settings
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -27,6 +29,9 @@ LEDGER = web.AppKey("ledger", Ledger)
 KEYS = web.AppKey("keys", KeyStore)
 METRICS = web.AppKey("metrics", Metrics)
 DISPATCH = web.AppKey("dispatch", Dispatcher)
+EVAL = web.AppKey("eval", EvalDispatcher)
+RUNS = web.AppKey("runs", Runs)
+EPISODE_HEADER = "X-Kvl-Episode"
 
 ANONYMOUS = Principal(name="anonymous")
 
@@ -58,7 +63,23 @@ async def authenticate(request: web.Request) -> Principal:
         ) from exc
     if profile is None:
         raise Unauthorized("invalid API key")
-    return Principal(name=profile.name, mode=profile.mode)
+    return Principal(name=profile.name, mode=profile.mode, profile=profile)
+
+
+async def open_flight(request: web.Request, parsed: Parsed) -> Flight:
+    """Admit the request: an eval key's to its run, any other through production routing."""
+    principal: Principal = request["principal"]
+    if principal.mode == "eval":
+        return await request.app[EVAL].open(parsed, principal)
+    return await request.app[DISPATCH].open(parsed, principal)
+
+
+def episode(request: web.Request) -> str | None:
+    """The client's episode label for run diffs (``X-Kvl-Episode``), at most 128 characters."""
+    value = request.headers.get(EPISODE_HEADER, "").strip()
+    if len(value) > 128:
+        raise BadRequest(f"{EPISODE_HEADER} must be at most 128 characters")
+    return value or None
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:

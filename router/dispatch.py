@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -25,7 +25,7 @@ from backends.base import (
     EngineStats,
 )
 from policies import Decision, NoReplicaAvailable, Policy, RequestFeatures, prefix_block_hashes
-from router.errors import BadRequest, NotFound, Unavailable, UpstreamFailed
+from router.errors import BadRequest, KvlError, NotFound, Unavailable, UpstreamFailed
 from router.fleet import Fleet, ReplicaState
 from router.ledger import Ledger, LedgerError
 from router.lineage import Admission, Outcome, Principal, build_record, commit
@@ -35,16 +35,24 @@ from router.parse import Parsed
 _log = structlog.get_logger("kvledger.dispatch")
 
 
+class Settler(Protocol):
+    """What a flight reports to when it ends: the production or the eval dispatcher."""
+
+    def release(self, flight: Flight) -> None: ...
+
+    async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]: ...
+
+
 @dataclass
 class Flight:
     """One request admitted to one replica; iterate ``chunks()``, then call ``finish()`` once."""
 
-    dispatcher: Dispatcher
+    dispatcher: Settler
     parsed: Parsed
     principal: Principal
     replica: ReplicaState
     decision: Decision
-    head: asyncio.Task[Admission]
+    head: asyncio.Future[Admission]
     stream: AsyncGenerator[Chunk, None]
     first: Chunk
     started: float
@@ -52,6 +60,8 @@ class Flight:
     finished: bool = False
     pieces: list[str] = field(default_factory=list)
     stats: EngineStats | None = None
+    failure: Callable[[str], KvlError] = UpstreamFailed  # how a mid-stream failure answers
+    context: Any = None  # the eval dispatcher's turn
 
     async def admission(self) -> Admission:
         return await self.head
@@ -69,9 +79,9 @@ class Flight:
         try:
             return await anext(self.stream)
         except StopAsyncIteration as exc:
-            raise UpstreamFailed(f"replica {self.replica.id} ended the stream early") from exc
+            raise self.failure(f"replica {self.replica.id} ended the stream early") from exc
         except BackendError as exc:
-            raise UpstreamFailed(str(exc)) from exc
+            raise self.failure(str(exc)) from exc
 
     @property
     def text(self) -> str:
@@ -82,8 +92,7 @@ class Flight:
         if self.finished:
             raise RuntimeError("finish() called twice")
         self.finished = True
-        self.replica.in_flight -= 1
-        self.dispatcher.policy.on_finish(self.replica.id)
+        self.dispatcher.release(self)
         if status != "ok":
             await self.stream.aclose()  # cancels the request inside Triton
         outcome = Outcome(
@@ -104,6 +113,10 @@ class Dispatcher:
         self.ledger = ledger
         self.policy = policy
         self.metrics = metrics
+
+    def release(self, flight: Flight) -> None:
+        flight.replica.in_flight -= 1
+        self.policy.on_finish(flight.replica.id)
 
     def select(self, parsed: Parsed) -> Decision:
         views = self.fleet.views(parsed.model)
@@ -130,7 +143,7 @@ class Dispatcher:
         failures: list[str] = []
         for replica_id in decision.candidates:
             replica = self.fleet[replica_id]
-            if not replica.healthy or replica.draining or replica.leased_by:
+            if not replica.takes_production:
                 continue
             flight = await self._try(parsed, principal, replica, decision, failures)
             if flight is not None:
@@ -165,7 +178,7 @@ class Dispatcher:
                 failures.append(str(exc))
                 _log.warning("replica_unavailable", replica=replica.id, error=exc.detail)
                 return None
-            raise _translate(exc) from exc
+            raise translate(exc) from exc
         return Flight(
             self,
             parsed,
@@ -194,15 +207,20 @@ class Dispatcher:
         admission = await flight.admission()
         record = build_record(flight, admission, outcome)
         await commit(self.ledger, record)
-        self.metrics.observe(record, outcome.latency_s)
-        replica = flight.replica
-        replica.served += 1
-        replica.reused_blocks += int(record["reused_blocks"])
-        replica.total_blocks += int(record["total_blocks"])
+        account(self.metrics, flight.replica, record, outcome)
         return record
 
 
-def _translate(exc: BaseException) -> BaseException:
+def account(
+    metrics: Metrics, replica: ReplicaState, record: dict[str, Any], outcome: Outcome
+) -> None:
+    metrics.observe(record, outcome.latency_s)
+    replica.served += 1
+    replica.reused_blocks += int(record["reused_blocks"])
+    replica.total_blocks += int(record["total_blocks"])
+
+
+def translate(exc: BaseException) -> BaseException:
     if isinstance(exc, BackendRejected):
         return BadRequest(f"the replica rejected the request: {exc.detail}")
     if isinstance(exc, BackendFailed):

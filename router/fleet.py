@@ -18,6 +18,8 @@ class ReplicaState:
     backend: Backend
     healthy: bool = False
     draining: bool = False
+    resetting: bool = False  # Redis marks a verified reset under way (any proxy's)
+    reset_here: bool = False  # this proxy is resetting it
     leased_by: str | None = None
     in_flight: int = 0
     generation: int = 0
@@ -31,12 +33,21 @@ class ReplicaState:
     def id(self) -> str:
         return self.settings.id
 
+    @property
+    def paused(self) -> bool:
+        """Taking no new requests: a verified reset is under way."""
+        return self.resetting or self.reset_here
+
+    @property
+    def takes_production(self) -> bool:
+        return self.healthy and not self.draining and not self.paused and self.leased_by is None
+
     def view(self) -> ReplicaView:
         return ReplicaView(
             id=self.id,
             healthy=self.healthy,
             leased=self.leased_by is not None,
-            draining=self.draining,
+            draining=self.draining or self.paused,
             in_flight=self.in_flight,
         )
 

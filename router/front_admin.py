@@ -32,11 +32,11 @@ import orjson
 import structlog
 from aiohttp import web
 
-from router.context import FLEET, KEYS, LEDGER, SETTINGS, read_json
+from router.context import FLEET, KEYS, LEDGER, RUNS, SETTINGS, read_json
 from router.errors import BadRequest, ClientError, Conflict, NotFound, Unauthorized, Unavailable
 from router.fleet import ReplicaState
 from router.ledger import ChainHead, LedgerUnavailable
-from router.profiles import ProfileError, now_iso, validate_profile
+from router.profiles import REPLAY, ProfileError, check_fleet, now_iso, validate_profile
 
 AdminHandler = Callable[[web.Request], Awaitable[web.Response]]
 MAX_COUNT = 10_000
@@ -51,7 +51,7 @@ class AdminDisabled(ClientError):
     code = "admin_disabled"
 
 
-def _json(body: object, status: int = 200, **headers: str) -> web.Response:
+def json_response(body: object, status: int = 200, **headers: str) -> web.Response:
     return web.Response(
         body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
     )
@@ -73,7 +73,7 @@ def _check_token(request: web.Request) -> None:
         raise Unauthorized("invalid admin token")
 
 
-def _admin(handler: AdminHandler) -> AdminHandler:
+def admin_only(handler: AdminHandler) -> AdminHandler:
     @functools.wraps(handler)
     async def guarded(request: web.Request) -> web.Response:
         _check_token(request)
@@ -83,7 +83,7 @@ def _admin(handler: AdminHandler) -> AdminHandler:
 
 
 @contextlib.contextmanager
-def _redis(what: str) -> Iterator[None]:
+def redis_errors(what: str) -> Iterator[None]:
     try:
         yield
     except LedgerUnavailable as exc:
@@ -92,7 +92,7 @@ def _redis(what: str) -> Iterator[None]:
         ) from exc
 
 
-def _query(request: web.Request, allowed: tuple[str, ...]) -> dict[str, str]:
+def query_params(request: web.Request, allowed: tuple[str, ...]) -> dict[str, str]:
     """The query parameters, empty ones dropped; an unknown one is a 400, since silently
     ignoring a misspelt filter would answer a different question."""
     unknown = sorted(set(request.query) - set(allowed))
@@ -101,7 +101,7 @@ def _query(request: web.Request, allowed: tuple[str, ...]) -> dict[str, str]:
     return {name: value for name, value in request.query.items() if value}
 
 
-def _count(query: Mapping[str, str], default: int) -> int:
+def count_param(query: Mapping[str, str], default: int) -> int:
     raw = query.get("count")
     if raw is None:
         return default
@@ -111,18 +111,23 @@ def _count(query: Mapping[str, str], default: int) -> int:
 
 
 async def list_keys(request: web.Request) -> web.Response:
-    with _redis("list keys"):
+    with redis_errors("list keys"):
         profiles = await request.app[KEYS].list()
-    return _json({"keys": [asdict(p) for p in profiles]})
+    return json_response({"keys": [asdict(p) for p in profiles]})
 
 
 async def create_key(request: web.Request) -> web.Response:
     body = await read_json(request)
+    store = request.app[RUNS].store
     try:
         profile = validate_profile(body, created_at=now_iso())
+        with redis_errors("check the key against the fleet"):
+            snapshot = (profile.cache or "").removeprefix(REPLAY)
+            exists = snapshot != profile.cache and await store.snapshot(snapshot) is not None
+            check_fleet(profile, await store.registry(), exists)
     except ProfileError as exc:
         raise BadRequest(exc.message, param=exc.param) from exc
-    with _redis("create the key"):
+    with redis_errors("create the key"):
         try:
             raw = await request.app[KEYS].create(profile)
         except ValueError as exc:  # the name is taken
@@ -130,17 +135,17 @@ async def create_key(request: web.Request) -> web.Response:
     _log.info("admin_key_created", name=profile.name, mode=profile.mode, cache=profile.cache)
     # The only time the key exists outside its owner's hands: keep it out of every cache.
     body = {"key": raw, "profile": asdict(profile)}
-    return _json(body, status=201, **{"Cache-Control": "no-store"})
+    return json_response(body, status=201, **{"Cache-Control": "no-store"})
 
 
 async def revoke_key(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    with _redis("revoke the key"):
+    with redis_errors("revoke the key"):
         revoked = await request.app[KEYS].revoke(name)
     if not revoked:
         raise NotFound(f"no key named '{name}'")
     _log.info("admin_key_revoked", name=name)
-    return _json({"revoked": name})
+    return json_response({"revoked": name})
 
 
 def _replica_entry(replica: ReplicaState, head: ChainHead | None) -> dict[str, Any]:
@@ -170,7 +175,7 @@ async def list_replicas(request: web.Request) -> web.Response:
     except LedgerUnavailable:
         redis_up = False  # the local view is still worth showing: this is when it is needed
     entries = [_replica_entry(r, heads.get(r.id)) for r in fleet]
-    return _json({"replicas": entries, "redis": redis_up})
+    return json_response({"replicas": entries, "redis": redis_up})
 
 
 def _set_draining(draining: bool) -> AdminHandler:
@@ -182,7 +187,9 @@ def _set_draining(draining: bool) -> AdminHandler:
         replica = fleet[replica_id]
         replica.draining = draining
         _log.info("admin_replica_draining", replica=replica_id, draining=draining)
-        return _json({"id": replica_id, "draining": draining, "in_flight": replica.in_flight})
+        return json_response(
+            {"id": replica_id, "draining": draining, "in_flight": replica.in_flight}
+        )
 
     handler.__name__ = "drain" if draining else "undrain"
     return handler
@@ -190,40 +197,40 @@ def _set_draining(draining: bool) -> AdminHandler:
 
 async def lineage_record(request: web.Request) -> web.Response:
     request_id = request.match_info["request_id"]
-    with _redis("read the lineage"):
+    with redis_errors("read the lineage"):
         record = await request.app[LEDGER].record(request_id)
     if record is None:
         raise NotFound(f"no lineage record for request '{request_id}'", param="request_id")
-    return _json(record)
+    return json_response(record)
 
 
 async def lineage_tail(request: web.Request) -> web.Response:
-    query = _query(request, ("count", "replica", "key", "run"))
-    count = _count(query, default=50)
-    with _redis("read the lineage"):
+    query = query_params(request, ("count", "replica", "key", "run"))
+    count = count_param(query, default=50)
+    with redis_errors("read the lineage"):
         records = await request.app[LEDGER].tail(
             count, replica=query.get("replica"), key=query.get("key"), run=query.get("run")
         )
-    return _json({"records": records})
+    return json_response({"records": records})
 
 
 async def generations(request: web.Request) -> web.Response:
-    query = _query(request, ("count", "replica"))
-    count = _count(query, default=100)
-    with _redis("read the generations"):
+    query = query_params(request, ("count", "replica"))
+    count = count_param(query, default=100)
+    with redis_errors("read the generations"):
         events = await request.app[LEDGER].generations(query.get("replica"), count)
-    return _json({"generations": events})
+    return json_response({"generations": events})
 
 
 def routes() -> list[web.RouteDef]:
     return [
-        web.get("/admin/keys", _admin(list_keys)),
-        web.post("/admin/keys", _admin(create_key)),
-        web.delete("/admin/keys/{name}", _admin(revoke_key)),
-        web.get("/admin/replicas", _admin(list_replicas)),
-        web.post("/admin/replicas/{id}/drain", _admin(_set_draining(True))),
-        web.post("/admin/replicas/{id}/undrain", _admin(_set_draining(False))),
-        web.get("/admin/lineage", _admin(lineage_tail)),
-        web.get("/admin/lineage/{request_id}", _admin(lineage_record)),
-        web.get("/admin/generations", _admin(generations)),
+        web.get("/admin/keys", admin_only(list_keys)),
+        web.post("/admin/keys", admin_only(create_key)),
+        web.delete("/admin/keys/{name}", admin_only(revoke_key)),
+        web.get("/admin/replicas", admin_only(list_replicas)),
+        web.post("/admin/replicas/{id}/drain", admin_only(_set_draining(True))),
+        web.post("/admin/replicas/{id}/undrain", admin_only(_set_draining(False))),
+        web.get("/admin/lineage", admin_only(lineage_tail)),
+        web.get("/admin/lineage/{request_id}", admin_only(lineage_record)),
+        web.get("/admin/generations", admin_only(generations)),
     ]

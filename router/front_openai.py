@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from router.context import SETTINGS, authenticate, new_request_id, read_json
+from router.context import SETTINGS, authenticate, episode, new_request_id, read_json
 from router.errors import NotFound
 from router.parse import Parsed, parse_chat, parse_completion
 from router.respond import Reply, serve_json, serve_stream
@@ -91,7 +92,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     principal = await authenticate(request)
     settings = request.app[SETTINGS]
     body = await read_json(request)
-    parsed = parse_chat(body, new_request_id(), settings.template, settings.limits.max_tokens)
+    parsed = replace(
+        parse_chat(body, new_request_id(), settings.template, settings.limits.max_tokens),
+        episode=episode(request),
+    )
     request["principal"] = principal
     return await _serve(request, parsed, chat=True)
 
@@ -100,7 +104,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     principal = await authenticate(request)
     settings = request.app[SETTINGS]
     body = await read_json(request)
-    parsed = parse_completion(body, new_request_id(), settings.limits.max_tokens)
+    parsed = replace(
+        parse_completion(body, new_request_id(), settings.limits.max_tokens),
+        episode=episode(request),
+    )
     request["principal"] = principal
     return await _serve(request, parsed, chat=False)
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from router.context import SETTINGS, authenticate, new_request_id, read_json
+from router.context import SETTINGS, authenticate, episode, new_request_id, read_json
 from router.errors import NotFound
 from router.parse import Parsed, parse_generate
 from router.respond import Reply, serve_json, serve_stream
@@ -49,7 +50,10 @@ async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
     if model not in settings.models:
         raise NotFound(f"model '{model}' is not served here", param="model")
     body = await read_json(request)
-    parsed = parse_generate(body, model, new_request_id(), stream, settings.limits.max_tokens)
+    parsed = replace(
+        parse_generate(body, model, new_request_id(), stream, settings.limits.max_tokens),
+        episode=episode(request),
+    )
     request["principal"] = principal
     reply = TritonReply(parsed)
     if stream:

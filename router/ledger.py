@@ -19,7 +19,7 @@ and script), ``ledger_writer`` and ``ledger_spool`` (the way to Redis), ``ledger
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -123,14 +123,20 @@ class Ledger:
             await self._log_generation(head, reason)
         return head
 
-    async def new_generation(self, replica_id: str, engine_digest: str, reason: str) -> ChainHead:
+    async def new_generation(
+        self,
+        replica_id: str,
+        engine_digest: str,
+        reason: str,
+        details: Mapping[str, str] | None = None,
+    ) -> ChainHead:
         """Its cache is known to be empty: generation + 1, seq 0, state genesis."""
         state = genesis(engine_digest)
         args = [engine_digest, state, _now(), reason]
         async with self._call("new generation"):
             raw = await self._scripts.new_generation(keys=[cache_key(replica_id)], args=args)
         head = ChainHead(replica_id, int(raw), 0, state, engine_digest)
-        await self._log_generation(head, reason)
+        await self._log_generation(head, reason, details)
         return head
 
     async def head(self, replica_id: str) -> ChainHead:
@@ -204,9 +210,11 @@ class Ledger:
             return
         self._writer.put(job_from_record(record, data, step))
 
-    async def _log_generation(self, head: ChainHead, reason: str) -> None:
+    async def _log_generation(
+        self, head: ChainHead, reason: str, details: Mapping[str, str] | None = None
+    ) -> None:
         fields = generation_fields(
-            head.replica, head.generation, reason, head.engine_digest, _now()
+            head.replica, head.generation, reason, head.engine_digest, _now(), details
         )
         async with self._call("log generation"):
             await self._client.xadd(

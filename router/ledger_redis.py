@@ -151,12 +151,20 @@ def entry_record(fields: Mapping[Any, Any]) -> dict[str, Any] | None:
 
 
 def generation_fields(
-    replica: str, generation: int, reason: str, engine_digest: str, at: str
+    replica: str,
+    generation: int,
+    reason: str,
+    engine_digest: str,
+    at: str,
+    details: Mapping[str, str] | None = None,
 ) -> dict[FieldT, EncodableT]:
-    return {
+    """A ``kvl:generations`` entry; ``details`` adds fields (a reset's duration, its run)."""
+    fields: dict[FieldT, EncodableT] = {
         "replica": replica,
         "generation": generation,
         "reason": reason,
         "engine_digest": engine_digest,
         "at": at,
     }
+    fields.update(details or {})
+    return fields

@@ -11,7 +11,10 @@ from router.ledger import Ledger, LedgerError
 from router.ledger_chain import params_digest, request_digest, text_digest
 
 if TYPE_CHECKING:
+    from policies import Decision
     from router.dispatch import Flight
+    from router.ledger_keys import Profile
+    from router.parse import Parsed
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +23,7 @@ class Principal:
 
     name: str
     mode: str = "production"
+    profile: Profile | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,8 @@ class Admission:
     state: str | None
     engine_digest: str
     pending: bool
+    run: str | None = None
+    warning: str | None = None  # continuity broken before this request (eval)
 
     def headers(self, request_id: str) -> dict[str, str]:
         headers = {
@@ -39,6 +45,10 @@ class Admission:
             "X-Kvl-Replica": self.replica,
             "X-Kvl-Generation": str(self.generation),
         }
+        if self.run is not None:
+            headers["X-Kvl-Run"] = self.run
+        if self.warning is not None:
+            headers["X-Kvl-Warning"] = self.warning
         if self.pending:
             headers["X-Kvl-Pending"] = "true"
         else:
@@ -64,28 +74,44 @@ def _ttft_ms(stats: EngineStats | None, outcome: Outcome) -> float:
 
 def build_record(flight: Flight, admission: Admission, outcome: Outcome) -> dict[str, Any]:
     """Every field of DESIGN.md §5; ``state_after`` is filled when the chain advances."""
-    request = flight.parsed.request
-    stats = outcome.stats or EngineStats()
     tokens_per_block = flight.replica.settings.tokens_per_block
+    return make_record(
+        flight.parsed, flight.principal, flight.decision, tokens_per_block, admission, outcome
+    )
+
+
+def make_record(
+    parsed: Parsed,
+    principal: Principal,
+    decision: Decision,
+    tokens_per_block: int,
+    admission: Admission,
+    outcome: Outcome,
+) -> dict[str, Any]:
+    request = parsed.request
+    stats = outcome.stats or EngineStats()
     sampling = request.sampling()
+    evaluating = admission.run is not None
     return {
         "request_id": request.request_id,
         "at": datetime.now(UTC).isoformat(timespec="milliseconds"),
-        "key": flight.principal.name,
-        "mode": flight.principal.mode,
-        "arm": None,
-        "run": None,
+        "key": principal.name,
+        "mode": principal.mode,
+        "arm": principal.name if evaluating else None,
+        "run": admission.run,
+        "episode": parsed.episode,
         "replica": admission.replica,
-        "model": flight.parsed.model,
+        "model": parsed.model,
         "engine_digest": admission.engine_digest,
         "generation": admission.generation,
         "seq": admission.seq,
         "state_before": admission.state,
         "state_after": None,
-        "exact": False,
+        "exact": evaluating,
         "verified": None,
+        "warning": admission.warning,
         "pending": admission.pending,
-        "digest": request_digest(flight.parsed.model, request.prompt, sampling, outcome.output),
+        "digest": request_digest(parsed.model, request.prompt, sampling, outcome.output),
         "prompt_digest": text_digest(request.prompt),
         "params_digest": params_digest(sampling),
         "output_digest": text_digest(outcome.output),
@@ -98,8 +124,8 @@ def build_record(flight: Flight, admission: Admission, outcome: Outcome) -> dict
         "status": outcome.status,
         "latency_ms": round(outcome.latency_s * 1000, 3),
         "ttft_ms": _ttft_ms(outcome.stats, outcome),
-        "policy": flight.decision.policy,
-        "reason": flight.decision.reason,
+        "policy": decision.policy,
+        "reason": decision.reason,
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -43,10 +44,17 @@ def generation_change(
 class Monitor:
     """One polling task for the whole fleet; owned by the app's cleanup context."""
 
-    def __init__(self, fleet: Fleet, ledger: Ledger, interval_s: float) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        ledger: Ledger,
+        interval_s: float,
+        hook: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.fleet = fleet
         self.ledger = ledger
         self.interval_s = interval_s
+        self.hook = hook  # runs first each tick (leases and resets from Redis, idle runs)
         self._down: dict[str, bool] = {}
         self._pending: dict[str, str] = {}
 
@@ -56,13 +64,26 @@ class Monitor:
             await asyncio.sleep(self.interval_s)
 
     async def tick(self) -> None:
+        if self.hook is not None:
+            try:
+                await self.hook()
+            except LedgerError as exc:
+                _log.warning("monitor_hook_failed", error=str(exc))
         await asyncio.gather(*(self.check(r) for r in self.fleet))
 
     async def check(self, replica: ReplicaState) -> None:
+        if replica.paused:
+            # A verified reset is under way; it raises the generation itself. The counters
+            # going to zero must not read as a restart, so the baseline starts afresh.
+            replica.counters = None
+            self._down.pop(replica.id, None)
+            return
         try:
             now = await replica.backend.counters()
         except BackendError:
             now = ReplicaCounters(ready=False)
+        if replica.paused:  # a reset began while the counters were being read
+            return
         if not now.ready:
             if replica.healthy or replica.id not in self._down:
                 _log.warning("replica_not_ready", replica=replica.id)
@@ -86,7 +107,10 @@ class Monitor:
             self._pending.setdefault(replica.id, "engine digest changed")
         head = await self.ledger.ensure_replica(replica.id, digest)
         reason = self._pending.pop(replica.id, None)
-        if reason is not None:
+        if reason is not None and head.generation > replica.generation > 0:
+            # Another proxy (or a verified reset) already raised it for this same event.
+            _log.info("generation_adopted", replica=replica.id, generation=head.generation)
+        elif reason is not None:
             head = await self.ledger.new_generation(replica.id, digest, reason)
             _log.info(
                 "generation_raised", replica=replica.id, generation=head.generation, reason=reason

@@ -27,6 +27,7 @@ class Parsed:
     model: str
     request: GenerationRequest
     echo_prompt: bool = False  # Triton front: exclude_input_in_output false
+    episode: str | None = None  # X-Kvl-Episode: aligns eval runs in `kvledger runs diff`
 
 
 def load_json(raw: bytes) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Checking a key profile before it is stored: the one place the admin API and the CLI share.
 
-Checks that need the fleet (is a reuse-off replica configured for ``cache=off``, does the pinned
-replica exist, does the snapshot exist) belong here too once they exist, so both ways of
-creating a key refuse the same profiles.
+``validate_profile`` checks the fields; ``check_fleet`` checks an eval profile against the
+replicas the proxies registered in Redis and the snapshots there (is a reuse-off replica
+configured for ``cache=off``, does the pinned replica exist and suit the cache mode, does the
+snapshot exist), so both ways of creating a key refuse the same profiles.
 """
 
 from __future__ import annotations
@@ -96,3 +97,40 @@ def _idle_timeout(value: Any) -> float:
             f"idle_timeout_s must be a positive number of seconds, not {value!r}", "idle_timeout_s"
         )
     return float(value)
+
+
+def check_fleet(
+    profile: Profile, registry: Mapping[str, Mapping[str, Any]], snapshot_exists: bool
+) -> None:
+    """ProfileError when the fleet cannot serve this eval profile (see the module docstring)."""
+    if profile.mode != "eval" or profile.cache is None:
+        return
+    reuse = profile.cache != "off"
+    known = sorted(registry)
+    matching = [rid for rid in known if bool(registry[rid].get("reuse", True)) == reuse]
+    if profile.cache == "off" and not matching:
+        raise ProfileError(
+            "cache 'off' needs a replica with KV-cache block reuse disabled (reuse = false in"
+            f" the proxy config); the registered replicas {known} all reuse blocks"
+            if known
+            else "cache 'off' needs a replica with block reuse disabled, and no proxy has"
+            " registered its replicas in this Redis yet: start the proxy first",
+            "cache",
+        )
+    if profile.replica is not None and known:
+        if profile.replica not in registry:
+            raise ProfileError(f"no replica '{profile.replica}'; known: {known}", "replica")
+        if profile.replica not in matching:
+            state = "on" if not reuse else "off"
+            raise ProfileError(
+                f"replica '{profile.replica}' has block reuse {state}, which cache"
+                f" '{profile.cache}' cannot use; suitable: {matching}",
+                "replica",
+            )
+    if profile.cache.startswith(REPLAY) and not snapshot_exists:
+        name = profile.cache[len(REPLAY) :]
+        raise ProfileError(
+            f"snapshot '{name}' does not exist; save it first"
+            f" (kvledger snapshots save {name} --from-run RUN)",
+            "cache",
+        )

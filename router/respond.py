@@ -14,7 +14,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from router.context import DISPATCH, SETTINGS
+from router.context import SETTINGS, open_flight
 from router.dispatch import Flight
 from router.errors import KvlError, UpstreamFailed, error_body
 from router.parse import Parsed
@@ -55,7 +55,7 @@ async def _drain(flight: Flight, timeout_s: float) -> None:
 
 async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.Response:
     settings = request.app[SETTINGS]
-    flight = await request.app[DISPATCH].open(parsed, request["principal"])
+    flight = await open_flight(request, parsed)
     try:
         await _drain(flight, settings.limits.request_timeout_s)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -77,7 +77,7 @@ async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.
 
 async def serve_stream(request: web.Request, parsed: Parsed, reply: Reply) -> web.StreamResponse:
     settings = request.app[SETTINGS]
-    flight = await request.app[DISPATCH].open(parsed, request["principal"])
+    flight = await open_flight(request, parsed)
     response = web.StreamResponse()
     try:
         admission = await flight.admission()

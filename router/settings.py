@@ -61,6 +61,17 @@ class LineageSettings:
 
 
 @dataclass(frozen=True)
+class EvalSettings:
+    """``[eval]``: leases, verified resets and the serial turn of eval runs."""
+
+    min_production_replicas: int = 1  # per model, never leased to runs
+    drain_timeout_s: float = 60.0  # a reset waits this long for in-flight requests
+    turn_ttl_s: float = 30.0  # a crashed proxy's turn is given up after this
+    queue_timeout_s: float = 300.0  # a request waits this long for its turn, then 503
+    continuity_wait_s: float = 2.0  # for the replica's counter to show the request
+
+
+@dataclass(frozen=True)
 class Settings:
     replicas: tuple[ReplicaSettings, ...]
     host: str = "127.0.0.1"
@@ -75,6 +86,7 @@ class Settings:
     chat_templates: Mapping[str, ChatTemplate] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     lineage: LineageSettings = field(default_factory=LineageSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
     log_level: str = "info"
 
     @property
@@ -148,6 +160,7 @@ def build_settings(raw: Mapping[str, Any], env: Mapping[str, str], base: Path) -
             chat_templates=templates,
             limits=_section(raw, "limits", Limits),
             lineage=lineage,
+            eval=_section(raw, "eval", EvalSettings),
             **server,
         )
     except TypeError as exc:
