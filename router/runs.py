@@ -128,7 +128,7 @@ class Runs:
         if meta.get("status") == "live":
             return meta
         raise Unavailable(
-            f"run {meta['id']} of arm '{meta['arm']}' {meta.get('status')}:"
+            f"run {meta['id']} {meta.get('status')} (arm '{meta['arm']}'):"
             f" {meta.get('end_reason') or 'still beginning'}; begin a new run"
             f" (kvledger runs begin {meta['arm']}) or end it (kvledger runs end {meta['id']})",
             headers={"Retry-After": "5", "X-Kvl-Run": meta["id"]},

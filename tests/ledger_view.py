@@ -48,8 +48,8 @@ class LedgerView:
             "engine_digest": head.engine_digest,
         }
 
-    def generations(self) -> list[dict[str, Any]]:
-        return self._run(lambda ledger: ledger.generations())
+    def generations(self, replica: str | None = None) -> list[dict[str, Any]]:
+        return self._run(lambda ledger: ledger.generations(replica))
 
     @staticmethod
     def genesis(engine_digest: str) -> str:

@@ -1,0 +1,99 @@
+"""Eval mode's parts on their own: the turn queue and fence on a real Redis, profile checks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from router.ledger_keys import Profile
+from router.ledger_redis import cache_key
+from router.ledger_turns import TurnLost, Turns
+from router.profiles import ProfileError, check_fleet
+from tests.servers import RedisServer
+
+REGISTRY = {"r1": {"model": "ensemble", "reuse": True}, "r3": {"model": "ensemble", "reuse": False}}
+
+
+@pytest.fixture
+async def turns(redis_server: RedisServer) -> AsyncIterator[Turns]:
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.hset(cache_key("r1"), mapping={"generation": 1, "seq": 0, "state": "g"})
+    try:
+        yield Turns(client)
+    finally:
+        await client.aclose()
+
+
+async def test_turns_go_in_arrival_order_one_at_a_time(turns: Turns) -> None:
+    """The first ticket gets the turn; the second waits until the first releases it."""
+    first = await turns.enqueue("r1", 10_000)
+    second = await turns.enqueue("r1", 10_000)
+    assert await turns.try_acquire("r1", second, 10_000, 10_000) is None
+    turn = await turns.try_acquire("r1", first, 10_000, 10_000)
+    assert turn is not None
+    assert await turns.try_acquire("r1", second, 10_000, 10_000) is None
+    await turns.release("r1", first, turn.token)
+    assert await turns.try_acquire("r1", second, 10_000, 10_000) is not None
+
+
+async def test_a_dead_waiter_is_skipped_and_learns_it_lost(turns: Turns) -> None:
+    """A ticket whose waiter stopped refreshing is dropped, so it cannot block the queue."""
+    dead = await turns.enqueue("r1", 1)
+    alive = await turns.enqueue("r1", 10_000)
+    await asyncio.sleep(0.01)
+    assert await turns.try_acquire("r1", alive, 10_000, 10_000) is not None
+    with pytest.raises(TurnLost):
+        await turns.try_acquire("r1", dead, 10_000, 10_000)
+
+
+async def test_a_holder_whose_turn_expired_cannot_advance_the_chain(turns: Turns) -> None:
+    """Fencing: after the turn expired and another request took it, the old token is refused."""
+    stale_ticket = await turns.enqueue("r1", 10_000)
+    stale = await turns.try_acquire("r1", stale_ticket, 10_000, 20)
+    assert stale is not None
+    await asyncio.sleep(0.05)
+    await turns.release("r1", stale_ticket)  # its waiter entry; the turn already expired
+    fresh_ticket = await turns.enqueue("r1", 10_000)
+    fresh = await turns.try_acquire("r1", fresh_ticket, 10_000, 10_000)
+    assert fresh is not None
+    assert await turns.fenced_advance(stale, 1, "d", "run.1", 5) is None
+    step = await turns.fenced_advance(fresh, 1, "d", "run.1", 5)
+    assert step is not None and step.seq == 1 and step.state_before == "g"
+
+
+async def test_a_lease_is_exclusive_until_freed(turns: Turns) -> None:
+    """Only one run can hold a replica; freeing needs the holder's name."""
+    assert await turns.take_lease("r1", "a.1", 10_000) is None
+    assert await turns.take_lease("r1", "b.1", 10_000) == "a.1"
+    assert not await turns.free_lease("r1", "b.1")
+    assert await turns.free_lease("r1", "a.1")
+    assert (await turns.marks(["r1"]))["r1"] == (None, False)
+
+
+@pytest.mark.parametrize(
+    ("profile", "registry", "snapshot", "error"),
+    [
+        (Profile("a", "eval", cache="off"), {"r1": REGISTRY["r1"]}, False, "reuse disabled"),
+        (Profile("a", "eval", cache="off"), {}, False, "start the proxy first"),
+        (Profile("a", "eval", cache="reset", replica="r3"), REGISTRY, False, "reuse off"),
+        (Profile("a", "eval", cache="reset", replica="r9"), REGISTRY, False, "no replica 'r9'"),
+        (Profile("a", "eval", cache="replay:s"), REGISTRY, False, "snapshot 's' does not exist"),
+    ],
+)
+def test_profiles_the_fleet_cannot_serve_are_refused(
+    profile: Profile, registry: dict[str, dict[str, object]], snapshot: bool, error: str
+) -> None:
+    """An eval key the fleet cannot serve is refused with a message saying why."""
+    with pytest.raises(ProfileError, match=error):
+        check_fleet(profile, registry, snapshot)
+
+
+def test_profiles_the_fleet_can_serve_pass() -> None:
+    """Off with a reuse-off replica, a suitable pinned replica, an existing snapshot: accepted."""
+    check_fleet(Profile("a", "eval", cache="off"), REGISTRY, False)
+    check_fleet(Profile("a", "eval", cache="off", replica="r3"), REGISTRY, False)
+    check_fleet(Profile("a", "eval", cache="replay:s"), REGISTRY, True)
+    check_fleet(Profile("a"), {}, False)
