@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,16 @@ from typing import Any
 
 def register(commands: Any) -> None:
     up = commands.add_parser("up", help="run Redis, stand-in replicas and the proxy together")
-    up.add_argument("--replicas", type=int, default=2, help="stand-in replicas (default 2)")
+    up.add_argument(
+        "--replicas", type=int, default=2, help="stand-in replicas with block reuse (default 2)"
+    )
+    up.add_argument(
+        "--reuse-off",
+        type=int,
+        default=1,
+        metavar="K",
+        help="and K more with block reuse disabled, for cache=off eval keys (default 1)",
+    )
     up.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
     up.add_argument("--workdir", type=Path, help="keep config, logs and spool here")
     up.set_defaults(run=run_up)
@@ -101,11 +111,13 @@ def _wait_ready(port: int, proxy: subprocess.Popen[bytes], timeout: float = 60) 
     raise SystemExit("kvledger: the proxy did not become ready")
 
 
-def _banner(port: int, key: str, workdir: Path) -> str:
+def _banner(port: int, key: str, workdir: Path, redis_url: str, token: str) -> str:
     base = f"http://127.0.0.1:{port}"
     return (
         f"\nkvledger is up: {base}  (logs and config in {workdir})\n"
         f"API key (shown once): {key}\n\n"
+        "For the kvledger commands (keys, runs, lineage, replicas), in another shell:\n"
+        f"  export KVL_URL={base} KVL_REDIS_URL={redis_url} KVL_ADMIN_TOKEN={token}\n\n"
         "Try:\n"
         f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {key}' \\\n"
         "    -H 'Content-Type: application/json' \\\n"
@@ -113,7 +125,8 @@ def _banner(port: int, key: str, workdir: Path) -> str:
         '"messages": [{"role": "user", "content": "Hello!"}]}\' | python3 -m json.tool\n'
         f"  curl -si {base}/v2/models/ensemble/generate -H 'Authorization: Bearer {key}' "
         '-d \'{"text_input": "Hello!", "max_tokens": 8}\'\n'
-        "  kvledger lineage tail   # with KVL_REDIS_URL set as above\n\n"
+        "  kvledger lineage tail\n"
+        "  kvledger keys create my-arm --mode eval --cache reset   # an eval arm; see README\n\n"
         "Ctrl-C stops everything.\n"
     )
 
@@ -126,20 +139,28 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    specs = [ReplicaSpec(f"r{i + 1}") for i in range(args.replicas)]
-    print(f"starting Redis and {args.replicas} stand-in replicas...", flush=True)
+    from backends.sim.repository import ModelSettings
+
+    total = args.replicas + args.reuse_off
+    specs = [ReplicaSpec(f"r{i + 1}", ModelSettings(reuse=i < args.replicas)) for i in range(total)]
+    token = os.environ.get("KVL_ADMIN_TOKEN") or secrets.token_urlsafe(18)
+    print(f"starting Redis and {total} stand-in replicas...", flush=True)
     with _redis(workdir) as redis_url, launch(specs, workdir=workdir / "replicas") as replicas:
         config = _config(workdir, redis_url, args.port, config_snippet(replicas))
         key = asyncio.run(_demo_key(redis_url))
         log = (workdir / "proxy.log").open("ab")
         command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
-        proxy = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "KVL_ADMIN_TOKEN": token}
+        proxy = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_ready(args.port, proxy)
             for r in replicas:
-                print(f"  replica {r.id}: grpc {r.grpc_url}  metrics {r.metrics_url}")
+                reuse = "on" if r.spec.model.reuse else "off"
+                print(
+                    f"  replica {r.id}: grpc {r.grpc_url}  metrics {r.metrics_url}  reuse {reuse}"
+                )
             print(f"  redis: {redis_url}\n  config: {config}")
-            print(_banner(args.port, key, workdir), flush=True)
+            print(_banner(args.port, key, workdir, redis_url, token), flush=True)
             while not stop.is_set() and proxy.poll() is None:
                 stop.wait(0.5)
         finally:
