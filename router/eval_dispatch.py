@@ -82,14 +82,22 @@ class EvalDispatcher:
                     f" to use '{parsed.model}'",
                     param="model",
                 )
+            if run["replica"] not in self.fleet:
+                raise Unavailable(
+                    f"run {run['id']} holds replica {run['replica']}, which this proxy instance"
+                    " is not configured with; send its requests to one that is",
+                    headers=_RETRY,
+                )
             replica = self.fleet[run["replica"]]
             turn = await self._acquire(replica, run)
         except LedgerError as exc:
             raise _no_redis(exc) from exc
         try:
             return await self._start(parsed, principal, replica, turn)
-        except BaseException:
+        except BaseException as exc:
             await asyncio.shield(self._release(turn))
+            if isinstance(exc, LedgerError):
+                raise _no_redis(exc) from exc
             raise
 
     async def _acquire(self, replica: ReplicaState, run: Meta) -> Turn:
