@@ -65,6 +65,8 @@ def test_reset_arm_reruns_identically(stack: tuple[Proxy, LedgerView]) -> None:
     assert records_a[0]["state_before"] == genesis(records_a[0]["engine_digest"])
     assert chained(records_a) and chained(records_b)
     assert all(r["verified"] and r["exact"] for r in records_a + records_b)
+    assert records_a[0]["policy"] == "eval"
+    assert records_a[0]["reason"].startswith("rendezvous rank 1 of 2 for arm 'arm-reset'")
     assert sum(r["reused_blocks"] for r in records_a) > 0  # caching stays on inside the run
     summary = diff(proxy, run_a["id"], run_b["id"])["summary"]
     assert summary["episodes"] == len(EPISODES) and summary["diverged"] == 0
