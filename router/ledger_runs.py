@@ -97,7 +97,8 @@ class RunStore:
 
     async def update(self, run: str, fields: Mapping[str, str], *, ended: bool = False) -> None:
         pipe = self._client.pipeline(transaction=False)
-        pipe.hset(meta_key(run), mapping=_fields(fields))
+        if fields:
+            pipe.hset(meta_key(run), mapping=_fields(fields))
         if ended:
             pipe.srem(RUNS_LIVE, run)
         async with redis_call("update run", self._timeout):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from router.ledger_chain import Advance
-from router.ledger_errors import redis_call
+from router.ledger_errors import LedgerUnavailable, redis_call
 from router.ledger_redis import PREFIX, advance_from, cache_key, lease_key, text
 
 LEASE_LOCK = PREFIX + "lease-lock"
@@ -178,12 +178,15 @@ class Turns:
     async def lease_lock(self, wait_s: float = 10.0) -> AsyncIterator[None]:
         """Serialise lease decisions across proxies (held for milliseconds, expires in 10 s)."""
         token = secrets.token_hex(8)
-        async with asyncio.timeout(wait_s):
-            while True:
-                async with redis_call("lease lock", self._timeout):
-                    if await self._client.set(LEASE_LOCK, token, nx=True, px=10_000):
-                        break
-                await asyncio.sleep(0.02)
+        try:
+            async with asyncio.timeout(wait_s):
+                while True:
+                    async with redis_call("lease lock", self._timeout):
+                        if await self._client.set(LEASE_LOCK, token, nx=True, px=10_000):
+                            break
+                    await asyncio.sleep(0.02)
+        except TimeoutError as exc:
+            raise LedgerUnavailable(f"the lease lock stayed taken for {wait_s:g} s") from exc
         try:
             yield
         finally:

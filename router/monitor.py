@@ -67,8 +67,8 @@ class Monitor:
         if self.hook is not None:
             try:
                 await self.hook()
-            except LedgerError as exc:
-                _log.warning("monitor_hook_failed", error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - health checks must go on whatever it raised
+                _log.warning("monitor_hook_failed", error=str(exc), kind=type(exc).__name__)
         await asyncio.gather(*(self.check(r) for r in self.fleet))
 
     async def check(self, replica: ReplicaState) -> None:

@@ -112,12 +112,17 @@ class Runs:
             replica.leased_by, replica.resetting = marks[replica.id]
         for run in await self.store.live():
             meta = await self.store.get(run)
-            if meta is None or await self.store.current(meta["arm"]) != run:
+            if meta is None:  # deleted by hand: forget it
+                await self.store.update(run, {}, ended=True)
+            elif await self.store.current(meta["arm"]) != run:
                 await self.end(run, "idle timeout")
 
     async def _current(self, arm: str) -> Meta | None:
         run = await self.store.current(arm)
-        return None if run is None else await self.store.get(run)
+        if run is None:
+            return None
+        # Claimed but not yet recorded: another proxy is leasing for it.
+        return await self.store.get(run) or {"id": run, "arm": arm, "status": "beginning"}
 
     async def _settled(self, meta: Meta) -> Meta:
         """Wait out another proxy's begin; a failed run answers with its reason."""
@@ -150,12 +155,17 @@ class Runs:
             "trigger": trigger,
             "idle_timeout_s": f"{profile.idle_timeout_s:g}",
         }
-        await self.store.create(run, meta, int(time.time() * 1000))
-        lease: Lease | None = None
         try:
             lease = await self._lease(run, profile, model)
+        except BaseException:
+            # Nothing to record: the run never held a replica (the 503 says why).
+            await asyncio.shield(self.store.release(arm, run))
+            raise
+        meta["replica"] = lease.replica.id
+        await self.store.create(run, meta, int(time.time() * 1000))
+        try:
             meta.update(await self._prepare(run, arm, meta["cache"], lease.replica))
-            meta.update(replica=lease.replica.id, choice=lease.reason, status="live")
+            meta.update(choice=lease.reason, status="live")
             await self.store.update(run, meta)
             await self.store.touch(arm, run, idle_ms)
             await self.turns.renew_lease(lease.replica.id, run, idle_ms)
@@ -166,19 +176,17 @@ class Runs:
                 f"run {run} of arm '{arm}' could not begin: {reason}",
                 headers={"Retry-After": "5", "X-Kvl-Run": run},
             ) from exc
-        except BaseException:
-            await asyncio.shield(self._abort(run, arm, lease, "run begin failed"))
+        except BaseException as exc:
+            await asyncio.shield(self._abort(run, arm, lease, f"run begin failed: {exc!r}"))
             raise
         _log.info("run_live", run=run, replica=meta["replica"], cache=meta["cache"])
         return meta
 
-    async def _abort(self, run: str, arm: str, lease: Lease | None, reason: str) -> None:
+    async def _abort(self, run: str, arm: str, lease: Lease, reason: str) -> None:
         meta = {"status": "failed", "ended_at": now_iso(), "end_reason": reason}
         try:
-            if lease is not None:
-                meta["replica"] = lease.replica.id
-                lease.replica.leased_by = None
-                await self.turns.free_lease(lease.replica.id, run)
+            lease.replica.leased_by = None
+            await self.turns.free_lease(lease.replica.id, run)
             await self.store.update(run, meta, ended=True)
             await self.store.release(arm, run)
         except LedgerError as exc:
