@@ -129,7 +129,13 @@ class Runs:
         deadline = time.monotonic() + BEGIN_BUDGET_S
         while meta.get("status") == "beginning" and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-            meta = await self.store.get(meta["id"]) or meta
+            fresh = await self.store.get(meta["id"])
+            if fresh is None and await self.store.current(meta["arm"]) != meta["id"]:
+                raise Unavailable(
+                    f"run {meta['id']} could not begin: no replica could be leased; retry",
+                    headers={"Retry-After": "5"},
+                )
+            meta = fresh or meta
         if meta.get("status") == "live":
             return meta
         raise Unavailable(
