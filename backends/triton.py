@@ -153,7 +153,7 @@ class TritonBackend:
             call = self._client.stream_infer(requests())
         except InferenceServerException as exc:
             raise BackendUnavailable(self.replica_id, str(exc)) from exc
-        produced = False
+        produced = finished = False
         try:
             async for result, error in call:
                 if error is not None:
@@ -163,6 +163,7 @@ class TritonBackend:
                 text_array = result.as_numpy("text_output") if response.outputs else None
                 text = text_array.reshape(-1)[0].decode() if text_array is not None else ""
                 produced = produced or bool(text)
+                finished = final
                 yield Chunk(text, final, parse_stats(result) if final else None)
                 if final:
                     return
@@ -172,7 +173,12 @@ class TritonBackend:
         except grpc.RpcError as exc:  # tritonclient passes errors of the stream itself through
             raise self._translate_rpc(exc, produced) from exc
         finally:
-            call.cancel()
+            # Cancel only a stream that is still producing. Cancelling one whose final response
+            # already arrived races Triton's own end of the stream and, intermittently, leaves a
+            # reference to the model behind: the next unload then never finishes (seen on the
+            # stand-in under load; python_backend notes the same for cancelled senders).
+            if not finished:
+                call.cancel()
 
     def _translate_rpc(self, error: grpc.RpcError, produced: bool) -> Exception:
         code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
