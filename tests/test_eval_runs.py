@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -11,7 +12,7 @@ import pytest
 from backends.sim.launcher import Replica
 from bench.workload import make_episodes
 from router.ledger_chain import genesis
-from tests.eval_helpers import admin, begin, chained, cli, client, end, play
+from tests.eval_helpers import admin, begin, chained, cli, client, complete, end, play
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy
 from tests.servers import RedisServer
@@ -143,3 +144,30 @@ def test_replay_arm_starts_every_run_at_the_snapshot(stack: tuple[Proxy, LedgerV
     assert served[1][0]["state_before"] == snapshot["fingerprint"]
     assert signatures(served[0]) == signatures(served[1])
     assert diff(proxy, runs[0], runs[1])["summary"]["diverged"] == 0
+
+
+def test_snapshot_from_a_file_is_replayed_to_its_fingerprint(
+    stack: tuple[Proxy, LedgerView], tmp_path: Path
+) -> None:
+    """A requests file becomes a snapshot by a reset and a replay; a replay arm's run then
+    begins at exactly the fingerprint that replay reached."""
+    proxy, ledger = stack
+    prompts = [EPISODES[8].render([]), EPISODES[9].render([]), "A: ls"]
+    lines = [orjson.dumps({"prompt": p, "max_tokens": 8}).decode() for p in prompts]
+    (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "max_tokens": -1}\n')
+    refused = cli(proxy, "snapshots", "save", "bad", "--from-file", str(bad))
+    assert refused.returncode == 1 and "requests[1]" in refused.stderr
+    saved = cli(
+        proxy, "snapshots", "save", "filed", "--from-file", str(tmp_path / "requests.jsonl")
+    )
+    assert saved.returncode == 0, saved.stderr
+    snapshot = admin(proxy, "GET", "/admin/snapshots/filed")[1]
+    assert snapshot["count"] == 3 and snapshot["fingerprint"] in saved.stdout
+    sdk = client(proxy, proxy.create_key("arm-filed", mode="eval", cache="replay:filed"))
+    run = begin(proxy, "arm-filed")["id"]
+    _, headers, record = complete(sdk, "A: cat README")
+    end(proxy, run)
+    assert record["state_before"] == snapshot["fingerprint"] == headers["x-kvl-state"]
+    assert [r["policy"] for r in ledger.tail(run=run)] == ["replay"] * 3 + ["eval"]

@@ -1,0 +1,151 @@
+"""The eval study's results (bench/eval_study.py) as a Markdown report and a PNG chart."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+ARMS = ("off", "production", "reset", "replay")
+ARM_LABELS = {
+    "off": "cache off",
+    "production": "caching on, no control (production key)",
+    "reset": "`reset` key",
+    "replay": "`replay:` key",
+}
+PRECISION_LABELS = {"bf16": "16-bit (bf16)", "fp16": "16-bit (fp16)", "int4": "4-bit (int4)"}
+
+
+@dataclass
+class ArmResult:
+    """One arm at one precision: every rerun compared with the arm's first run."""
+
+    precision: str
+    arm: str
+    episodes: int
+    reruns: int
+    diverged: int = 0
+    explained: int = 0
+    unexplained: int = 0
+    reused_blocks: int = 0
+    total_blocks: int = 0
+    wall_s: list[float] = field(default_factory=list)
+
+    @property
+    def compared(self) -> int:
+        return self.episodes * self.reruns
+
+    @property
+    def divergence_pct(self) -> float:
+        return 100 * self.diverged / self.compared if self.compared else 0.0
+
+    def row(self) -> str:
+        reuse = 100 * self.reused_blocks / self.total_blocks if self.total_blocks else 0.0
+        attributed = f"{100 * self.explained / self.diverged:.0f}%" if self.diverged else "–"
+        wall = statistics.fmean(self.wall_s) if self.wall_s else 0.0
+        cells = [
+            PRECISION_LABELS.get(self.precision, self.precision),
+            ARM_LABELS.get(self.arm, self.arm),
+            f"{self.diverged} / {self.compared}",
+            f"{self.divergence_pct:.1f}%",
+            f"{reuse:.1f}%",
+            f"{wall:.1f} s",
+            attributed,
+            str(self.unexplained),
+        ]
+        return "| " + " | ".join(cells) + " |"
+
+
+@dataclass
+class ResetTiming:
+    """Seconds of each verified reset (admin API) and each raw unload + load of one replica."""
+
+    replica: str
+    verified_s: list[float] = field(default_factory=list)
+    raw_s: list[float] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        verified, raw = statistics.median(self.verified_s), statistics.median(self.raw_s)
+        return [
+            f"Reset of replica {self.replica} ({_rounds(len(self.raw_s))} of each, alternating):",
+            "",
+            "| reset | median | rounds (s) |",
+            "|---|---|---|",
+            f"| verified (`POST /admin/replicas/{self.replica}/reset`) | {verified:.2f} s"
+            f" | {_seconds(self.verified_s)} |",
+            f"| raw unload + load, until ready | {raw:.2f} s | {_seconds(self.raw_s)} |",
+            "",
+            f"Verified / raw: {verified / raw:.2f}×",
+        ]
+
+
+def _rounds(n: int) -> str:
+    return f"{n} round" if n == 1 else f"{n} rounds"
+
+
+def _seconds(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
+def markdown(
+    results: Sequence[ArmResult], timing: ResetTiming | None, command: str, when: str
+) -> str:
+    first = results[0]
+    lines = [
+        "# Eval study: divergence between reruns, through the proxy",
+        "",
+        f"Command: `{command}`  ",
+        f"Date: {when}  ",
+        f"Workload: {first.episodes} episodes (bench/workload.py), {first.reruns + 1} runs per"
+        " arm; each later run is compared with the arm's first run.  ",
+        "Machine: 2 shared CPU cores; stand-in replicas (backends/sim), timings side by side.",
+        "",
+        "Wall time is per run, including the run's begin (verified reset, snapshot replay).",
+        "Attributed to cache state: diverged episodes whose first differing request was",
+        "admitted on a different cache state (`router/run_diff.py`); unexplained: same prompt,",
+        "same cache state, different output.",
+        "",
+        "| weights | arm | divergent episodes | % | block reuse | wall time per run"
+        " | attributed to cache state | unexplained |",
+        "|---|---|---|---|---|---|---|---|",
+        *(r.row() for r in results),
+    ]
+    if timing is not None:
+        lines += ["", *timing.lines()]
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: Sequence[ArmResult], path: Path) -> None:
+    """Grouped bars: divergence % per arm, one group per precision, each bar labelled."""
+    precisions = list(dict.fromkeys(r.precision for r in results))
+    arms = [a for a in ARMS if any(r.arm == a for r in results)]
+    width = 0.8 / max(len(arms), 1)
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for i, arm in enumerate(arms):
+        values = [_pct(results, p, arm) for p in precisions]
+        xs = [g + (i - (len(arms) - 1) / 2) * width for g in range(len(precisions))]
+        bars = axes.bar(xs, values, width, label=ARM_LABELS[arm].replace("`", ""))
+        axes.bar_label(bars, labels=[f"{v:.1f}%" for v in values], fontsize=8, padding=2)
+    axes.set_xticks(range(len(precisions)))
+    axes.set_xticklabels([PRECISION_LABELS.get(p, p) for p in precisions])
+    axes.set_ylabel("episodes diverged between reruns (%)")
+    axes.set_ylim(0, max([r.divergence_pct for r in results] + [10]) * 1.2)
+    axes.set_title("Rerun divergence by cache control (through the proxy)")
+    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _pct(results: Sequence[ArmResult], precision: str, arm: str) -> float:
+    return next(
+        (r.divergence_pct for r in results if (r.precision, r.arm) == (precision, arm)), 0.0
+    )
