@@ -93,7 +93,7 @@ class EvalDispatcher:
         except LedgerError as exc:
             raise _no_redis(exc) from exc
         try:
-            return await self._start(parsed, principal, replica, turn)
+            return await self._start(parsed, principal, replica, turn, run["id"])
         except BaseException as exc:
             await asyncio.shield(self._release(turn))
             if isinstance(exc, LedgerError):
@@ -130,11 +130,15 @@ class EvalDispatcher:
             raise
 
     async def _start(
-        self, parsed: Parsed, principal: Principal, replica: ReplicaState, turn: Turn
+        self,
+        parsed: Parsed,
+        principal: Principal,
+        replica: ReplicaState,
+        turn: Turn,
+        turn_run: str,
     ) -> Flight:
-        run = await self.runs.for_request(principal.profile, parsed.model)  # type: ignore[arg-type]
-        if run["replica"] != replica.id:  # the run ended and another began while we waited
-            raise Unavailable("the arm's run changed while waiting; retry", headers=_RETRY)
+        # The run may have failed or ended while this request waited for its turn.
+        run = await self.runs.still_live(turn_run, principal.name)
         head = await self.ledger.head(replica.id)
         count = await self._count(replica, run)
         warning = None

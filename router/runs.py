@@ -35,6 +35,7 @@ from router.settings import EvalSettings
 
 Meta = dict[str, str]
 BEGIN_BUDGET_S = 600.0  # a begin (drain, reload, replay) longer than this is presumed dead
+BEGIN_BUDGET_S_MS = int(BEGIN_BUDGET_S * 1000)
 _log = structlog.get_logger("kvledger.runs")
 
 
@@ -69,6 +70,11 @@ class Runs:
                 meta = await self._current(profile.name)
                 if meta is None:
                     return await self._begin(profile, model, "first request")
+        return await self._settled(meta)
+
+    async def still_live(self, run: str, arm: str) -> Meta:
+        """The run as Redis holds it now; 503 with the reason if it ended or failed meanwhile."""
+        meta = await self.store.get(run) or {"id": run, "arm": arm, "status": "ended"}
         return await self._settled(meta)
 
     async def begin(self, profile: Profile, model: str) -> Meta:
@@ -286,6 +292,3 @@ class Runs:
         if left < minimum:
             return f"leasing it would leave {left} replica(s) to production (minimum {minimum})"
         return None
-
-
-BEGIN_BUDGET_S_MS = int(BEGIN_BUDGET_S * 1000)
