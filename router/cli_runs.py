@@ -42,9 +42,9 @@ def register(commands: Any) -> None:
     listing.add_argument("--arm", help="only this arm's runs")
     listing.add_argument("--count", type=int, default=50)
     show = actions.add_parser("show", help="a run and counts of its records")
-    show.add_argument("run")
+    show.add_argument("run_id", metavar="RUN")
     end = actions.add_parser("end", help="end a run and release its replica")
-    end.add_argument("run")
+    end.add_argument("run_id", metavar="RUN")
     for parser, run in ((begin, run_begin), (listing, run_list), (show, run_show), (end, run_end)):
         add_admin_options(parser)
         parser.set_defaults(run=run)
@@ -129,7 +129,7 @@ def run_list(args: argparse.Namespace) -> int:
 @cli_errors
 def run_show(args: argparse.Namespace) -> int:
     api = AdminApi.from_args(args, os.environ)
-    body = api.call("GET", f"/admin/runs/{quote(args.run, safe='')}")
+    body = api.call("GET", f"/admin/runs/{quote(args.run_id, safe='')}")
     if args.json:
         print_json_lines([body])
         return 0
@@ -141,7 +141,7 @@ def run_show(args: argparse.Namespace) -> int:
 @cli_errors
 def run_end(args: argparse.Namespace) -> int:
     api = AdminApi.from_args(args, os.environ)
-    meta = api.call("POST", f"/admin/runs/{quote(args.run, safe='')}/end")["run"]
+    meta = api.call("POST", f"/admin/runs/{quote(args.run_id, safe='')}/end")["run"]
     _print_runs(args, [meta])
     return 0
 

@@ -107,7 +107,10 @@ def test_off_arm_reruns_identically_without_reuse(stack: tuple[Proxy, LedgerView
         run = begin(proxy, "arm-off")
         outputs.append(play(sdk, EPISODES[:6]).outputs)
         runs.append(run["id"])
-        end(proxy, run["id"])
+        ended = cli(proxy, "runs", "end", run["id"])
+        assert ended.returncode == 0 and "ended" in ended.stdout, ended.stderr
+        shown = cli(proxy, "runs", "show", run["id"])
+        assert "not_verified  0" in shown.stdout, shown.stdout
     assert outputs[0] == outputs[1]
     records = ledger.tail(run=runs[0]) + ledger.tail(run=runs[1])
     assert {r["replica"] for r in records} == {"r3"}
