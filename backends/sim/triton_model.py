@@ -274,6 +274,10 @@ class TritonPythonModel:
         else:
             text = result.text if parsed.exclude_input else parsed.prompt + result.text
         response = pb_utils.InferenceResponse(output_tensors=outputs(parsed, text, result))
+        # The engine's gauges move before the client hears the end, as TensorRT-LLM's do (its
+        # statistics are taken at the iteration that finishes the request).
+        self.running = 0
+        self.metrics.update(self.engine, self.jobs.qsize(), 0)
         sender.send(response, flags=_final_flag())
 
 
