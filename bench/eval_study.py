@@ -38,14 +38,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, get_args
 
-from backends.sim.launcher import Replica, ReplicaSpec, launch, wait_ready
+from backends.sim.launcher import Replica, ReplicaSpec, config_snippet, launch, wait_ready
 from backends.sim.repository import ModelSettings, Precision
 from bench.eval_study_report import ArmResult, ResetTiming, chart, markdown
 from bench.workload import Episode, make_episodes
-from router.run_diff import diff_runs
+from router.cli.local import ProxyProcess, RedisServer
+from router.eval.diff import diff_runs
 from tests.eval_helpers import Played, admin, begin, client, end, play
-from tests.proxy_harness import Proxy
-from tests.servers import RedisServer
 from tests.triton_helpers import reset as raw_reset
 
 EVAL_SETTINGS = "\n[eval]\nmin_production_replicas = 1\n"
@@ -57,7 +56,7 @@ class Stack:
     """One precision's replicas, keyed by id, and the proxy in front of them."""
 
     precision: str
-    proxy: Proxy
+    proxy: ProxyProcess
     replicas: dict[str, Replica]
 
 
@@ -85,7 +84,9 @@ def stack(precision: Precision) -> Iterator[Stack]:
     with launch(specs) as replicas:
         redis = RedisServer()
         redis.start()
-        proxy = Proxy(replicas, redis.url, extra=EVAL_SETTINGS)
+        proxy = ProxyProcess(
+            config_snippet(replicas), redis.url, extra=EVAL_SETTINGS, monitor_interval_s=0.5
+        )
         try:
             proxy.start()
             yield Stack(precision, proxy, {r.id: r for r in replicas})
@@ -94,7 +95,7 @@ def stack(precision: Precision) -> Iterator[Stack]:
             redis.close()
 
 
-def verified_reset(proxy: Proxy, replica: str) -> dict[str, Any]:
+def verified_reset(proxy: ProxyProcess, replica: str) -> dict[str, Any]:
     status, body = admin(proxy, "POST", f"/admin/replicas/{replica}/reset")
     if status != 200:
         raise RuntimeError(f"verified reset of {replica}: HTTP {status} {body}")

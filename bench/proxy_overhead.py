@@ -20,9 +20,8 @@ from pathlib import Path
 
 import aiohttp
 
-from backends.sim.launcher import ReplicaSpec, launch
-from tests.proxy_harness import Proxy
-from tests.servers import RedisServer
+from backends.sim.launcher import ReplicaSpec, config_snippet, launch
+from router.cli.local import ProxyProcess, RedisServer
 
 
 @dataclass
@@ -141,7 +140,9 @@ def main() -> None:
     redis.start()
     try:
         with launch([ReplicaSpec("r1")]) as replicas:
-            proxy = Proxy(replicas, redis.url, policy="least_loaded")
+            proxy = ProxyProcess(
+                config_snippet(replicas), redis.url, policy="least_loaded", monitor_interval_s=0.5
+            )
             proxy.start()
             try:
                 key = proxy.create_key("bench")

@@ -9,100 +9,20 @@ skipped for the next candidate, but only while nothing has been streamed.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
-from backends.base import (
-    BackendError,
-    BackendFailed,
-    BackendRejected,
-    BackendUnavailable,
-    Chunk,
-    EngineStats,
-)
+from backends.base import BackendFailed, BackendRejected, BackendUnavailable
 from policies import Decision, NoReplicaAvailable, Policy, RequestFeatures, prefix_block_hashes
-from router.errors import BadRequest, KvlError, NotFound, Unavailable, UpstreamFailed
+from router.errors import BadRequest, NotFound, Unavailable, UpstreamFailed
 from router.fleet import Fleet, ReplicaState
+from router.flight import Flight, Parsed, take_off
 from router.ledger import Ledger, LedgerError
-from router.lineage import Admission, Outcome, Principal, build_record, commit
+from router.ledger.records import Admission, Outcome, Principal, commit, make_record
 from router.metrics import Metrics
-from router.parse import Parsed
 
 _log = structlog.get_logger("kvledger.dispatch")
-
-
-class Settler(Protocol):
-    """What a flight reports to when it ends: the production or the eval dispatcher."""
-
-    def release(self, flight: Flight) -> None: ...
-
-    async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]: ...
-
-
-@dataclass
-class Flight:
-    """One request admitted to one replica; iterate ``chunks()``, then call ``finish()`` once."""
-
-    dispatcher: Settler
-    parsed: Parsed
-    principal: Principal
-    replica: ReplicaState
-    decision: Decision
-    head: asyncio.Future[Admission]
-    stream: AsyncGenerator[Chunk, None]
-    first: Chunk
-    started: float
-    first_chunk_at: float
-    finished: bool = False
-    pieces: list[str] = field(default_factory=list)
-    stats: EngineStats | None = None
-    failure: Callable[[str], KvlError] = UpstreamFailed  # how a mid-stream failure answers
-    context: Any = None  # the eval dispatcher's turn
-
-    async def admission(self) -> Admission:
-        return await self.head
-
-    async def chunks(self) -> AsyncIterator[Chunk]:
-        chunk: Chunk | None = self.first
-        while chunk is not None:
-            self.pieces.append(chunk.text)
-            if chunk.stats is not None:
-                self.stats = chunk.stats
-            yield chunk
-            chunk = None if chunk.final else await self._next()
-
-    async def _next(self) -> Chunk:
-        try:
-            return await anext(self.stream)
-        except StopAsyncIteration as exc:
-            raise self.failure(f"replica {self.replica.id} ended the stream early") from exc
-        except BackendError as exc:
-            raise self.failure(str(exc)) from exc
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    async def finish(self, status: str) -> dict[str, Any]:
-        """Release the replica, advance its chain, write the lineage record; returns the record."""
-        if self.finished:
-            raise RuntimeError("finish() called twice")
-        self.finished = True
-        self.dispatcher.release(self)
-        if status != "ok":
-            await self.stream.aclose()  # cancels the request inside Triton
-        outcome = Outcome(
-            status=status,
-            output=self.text,
-            stats=self.stats,
-            latency_s=time.perf_counter() - self.started,
-            first_chunk_s=self.first_chunk_at - self.started,
-        )
-        return await self.dispatcher.settle(self, outcome)
 
 
 class Dispatcher:
@@ -161,36 +81,18 @@ class Dispatcher:
         decision: Decision,
         failures: list[str],
     ) -> Flight | None:
-        started = time.perf_counter()
-        replica.in_flight += 1
         self.policy.on_start(replica.id)
         head = asyncio.create_task(self._admit(replica))
-        stream = replica.backend.stream(parsed.request)
         try:
-            first = await anext(stream)
+            return await take_off(self, parsed, principal, replica, decision, head)
         except BaseException as exc:
-            replica.in_flight -= 1
             self.policy.on_finish(replica.id)
-            head.cancel()
-            await stream.aclose()
             if isinstance(exc, BackendUnavailable):
                 replica.healthy = False  # the monitor brings it back when it answers again
                 failures.append(str(exc))
                 _log.warning("replica_unavailable", replica=replica.id, error=exc.detail)
                 return None
             raise translate(exc) from exc
-        return Flight(
-            self,
-            parsed,
-            principal,
-            replica,
-            decision,
-            head,
-            stream,
-            first,
-            started,
-            time.perf_counter(),
-        )
 
     async def _admit(self, replica: ReplicaState) -> Admission:
         try:
@@ -205,7 +107,7 @@ class Dispatcher:
 
     async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]:
         admission = await flight.admission()
-        record = build_record(flight, admission, outcome)
+        record = make_record(flight.record_input(admission), outcome)
         await commit(self.ledger, record)
         account(self.metrics, flight.replica, record, outcome)
         return record

@@ -13,7 +13,7 @@ import orjson
 import urllib3
 
 from bench.workload import DEFAULT_MAX_TOKENS, Episode
-from tests.proxy_harness import Proxy
+from router.cli.local import ProxyProcess as Proxy
 
 TOKEN = "admin-secret"  # what tests.proxy_harness gives the proxy
 HTTP = urllib3.PoolManager()

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from router.ledger import Ledger, LedgerConfig
-from router.ledger_chain import genesis
+from router.ledger.chain import genesis
 
 T = TypeVar("T")
 

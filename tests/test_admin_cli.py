@@ -20,7 +20,7 @@ import pytest
 import urllib3
 
 from backends.sim.launcher import Replica
-from router.ledger_keys import key_hash
+from router.ledger.keys import key_hash
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy
 from tests.servers import RedisServer

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from router.ledger_keys import Profile
-from router.ledger_redis import cache_key
-from router.ledger_turns import TurnLost, Turns
-from router.profiles import ProfileError, check_fleet
+from router.eval.profiles import ProfileError, check_fleet
+from router.ledger.keys import Profile
+from router.ledger.schema import cache_key
+from router.ledger.turns import TurnLost, Turns
 from tests.servers import RedisServer
 
 REGISTRY = {"r1": {"model": "ensemble", "reuse": True}, "r3": {"model": "ensemble", "reuse": False}}

@@ -11,7 +11,7 @@ import pytest
 
 from backends.sim.launcher import Replica
 from bench.workload import make_episodes
-from router.ledger_chain import genesis
+from router.ledger.chain import genesis
 from tests.eval_helpers import admin, begin, chained, cli, client, complete, end, play
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy

@@ -1,4 +1,19 @@
-"""DESIGN.md §4: dependencies point one way, router -> policies and backends, never back."""
+"""DESIGN.md §4 and docs/architecture.md: imports point one way, and only the ledger knows Redis.
+
+Packages: ``router`` may import ``policies`` and ``backends``; those two never import ``router``,
+and ``policies`` imports nothing from ``backends``. Inside ``router``, each folder is a layer
+that may import only the layers listed for it:
+
+    router/ledger   →  (nothing else in router)      everything that knows Redis
+    router/*.py     →  ledger                        shared: settings, fleet, dispatch, ...
+    router/eval     →  ledger, shared
+    router/http     →  ledger, shared, eval
+    router/cli      →  anything
+
+Only ``router/ledger`` imports the Redis client or spells a ``kvl:`` key, and only it imports
+``router.ledger.schema`` (the key names and scripts). ``backends.sim`` runs inside Triton; only
+the commands that launch stand-in replicas import it.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +24,86 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "backends", "policies")
-# Who may import whom (first-party packages only).
 ALLOWED = {
     "router": {"router", "policies", "backends"},
     "backends": {"backends"},
     "policies": {"policies"},
 }
-# backends.sim runs inside Triton; only the launcher command may import it from the router.
-SIM_IMPORTERS = {"router/cli_replica.py", "router/cli_replicas.py", "router/cli_up.py"}
+LAYERS = {
+    "ledger": {"ledger"},
+    "shared": {"ledger", "shared"},
+    "eval": {"ledger", "shared", "eval"},
+    "http": {"ledger", "shared", "eval", "http"},
+    "cli": {"ledger", "shared", "eval", "http", "cli"},
+}
+SIM_IMPORTERS = {
+    "router/cli/replica.py",
+    "router/cli/replicas.py",
+    "router/cli/up.py",
+    "router/cli/local.py",
+}
 
 
-def imports(path: Path) -> set[str]:
-    """Every module a file imports, absolute names."""
+def imports(tree: ast.AST) -> set[str]:
+    """Every module a file imports, absolute names (inside functions too)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def strings(tree: ast.AST) -> list[str]:
+    """String constants that are not docstrings (docs may name keys; code may not)."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if id(node) not in docstrings
+    ]
+
+
+def layer(module: str) -> str:
+    """The router layer a module (dotted name, or a path's parts joined by dots) belongs to."""
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in LAYERS:
+        return parts[1]
+    return "shared"
+
+
+def violations(rel: Path, source: str) -> list[str]:
+    """What is wrong with the imports and strings of the file at ``rel`` (relative to ROOT)."""
+    tree = ast.parse(source, str(rel))
+    package = rel.parts[0]
+    module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+    found: list[str] = []
+    for name in sorted(imports(tree)):
+        top = name.split(".")[0]
+        if top in PACKAGES and top not in ALLOWED[package]:
+            found.append(f"{rel} imports {name}: {package} may not import {top}")
+        if name.startswith("backends.sim") and package == "router":
+            if rel.as_posix() not in SIM_IMPORTERS:
+                found.append(f"{rel} imports the stand-in engine {name}")
+        if package != "router":
+            continue
+        mine = layer(module)
+        if top == "router" and "." in name and layer(name) not in LAYERS[mine]:
+            found.append(f"{rel} ({mine}) imports {name} ({layer(name)})")
+        if mine != "ledger" and (top == "redis" or name.startswith("router.ledger.schema")):
+            found.append(f"{rel} imports {name}: only router/ledger talks to Redis")
+    if package == "router" and layer(module) != "ledger":
+        found.extend(f"{rel} spells a Redis key {s!r}" for s in strings(tree) if "kvl:" in s)
     return found
 
 
@@ -36,19 +113,35 @@ def sources() -> list[Path]:
 
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_point_one_way(path: Path) -> None:
-    """No module imports a first-party package its layer may not depend on."""
-    rel = path.relative_to(ROOT)
-    layer = rel.parts[0]
-    for name in imports(path):
-        top = name.split(".")[0]
-        if top in PACKAGES:
-            assert top in ALLOWED[layer], f"{rel} imports {name}"
-        if name.startswith("backends.sim") and layer == "router":
-            assert rel.as_posix() in SIM_IMPORTERS, f"{rel} imports the stand-in engine {name}"
+    """No module imports what its package or layer may not depend on, or names a Redis key."""
+    assert violations(path.relative_to(ROOT), path.read_text()) == []
 
 
-def test_walker_sees_a_violation(tmp_path: Path) -> None:
-    """The walker reports imports inside functions too, so a lazy back-import cannot hide."""
-    bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from router.app import create_app\n    import backends.sim\n")
-    assert {"router.app", "backends.sim"} <= imports(bad)
+@pytest.mark.parametrize(
+    ("rel", "source", "complaint"),
+    [
+        ("router/ledger/core.py", "from router.http.app import create_app\n", "(ledger)"),
+        ("router/ledger/core.py", "def f():\n    import router.dispatch\n", "(ledger)"),
+        ("router/eval/runs.py", "from router.http import context\n", "(eval)"),
+        ("router/dispatch.py", "from router.eval.runs import Runs\n", "(shared)"),
+        ("router/http/app.py", "from router.cli.local import RedisServer\n", "(http)"),
+        ("router/http/app.py", "import redis.asyncio\n", "only router/ledger"),
+        ("router/eval/runs.py", "from router.ledger.schema import cache_key\n", "only"),
+        ("router/eval/runs.py", "KEY = 'kvl:runs'\n", "spells a Redis key"),
+        ("router/fleet.py", "from backends.sim.engine import Engine\n", "stand-in engine"),
+        ("policies/base.py", "from backends.base import Chunk\n", "may not import backends"),
+        ("backends/triton.py", "from router.settings import Settings\n", "may not import"),
+    ],
+)
+def test_a_wrong_import_is_reported(rel: str, source: str, complaint: str) -> None:
+    """Each rule catches the import or key it forbids, also inside a function."""
+    found = violations(Path(rel), source)
+    assert any(complaint in v for v in found), found
+
+
+def test_allowed_imports_pass() -> None:
+    """The rules permit what the layering permits: http using eval, eval using the ledger."""
+    assert violations(Path("router/http/app.py"), "from router.eval.runs import Runs\n") == []
+    assert violations(Path("router/eval/runs.py"), "from router.ledger import Ledger\n") == []
+    doc = '"""Keys like ``kvl:lineage`` may be named in docs."""\n'
+    assert violations(Path("router/monitor.py"), doc) == []

@@ -21,7 +21,7 @@ from router.ledger import (
     LedgerUnavailable,
     SpoolUnavailable,
 )
-from router.ledger_chain import fold, genesis, request_digest, step, text_digest
+from router.ledger.chain import fold, genesis, request_digest, step, text_digest
 from tests.servers import RedisServer
 
 ENGINE = "trtllm-0.13|ensemble|v1"

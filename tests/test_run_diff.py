@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.run_diff import EpisodeDiff, RunDiff, diff_runs, render_table
+from router.eval.diff import EpisodeDiff, RunDiff, diff_runs, render_table
 
 
 def rec(

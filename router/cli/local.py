@@ -1,0 +1,229 @@
+"""Local processes: a private ``redis-server`` and a ``kvledger serve`` process on loopback.
+
+One small harness for ``kvledger up``, the tests and the benchmarks, so all three start the
+proxy exactly as a user does: its own process, a TOML config, a real port, ``/readyz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from backends.sim.launcher import Replica, ReplicaSpec, free_ports
+from backends.sim.repository import ModelSettings
+
+
+class LocalError(RuntimeError):
+    """A local process did not start; the message says which and why."""
+
+
+class RedisServer:
+    """A ``redis-server`` on a free loopback port with its own directory; restartable in place."""
+
+    def __init__(self, *, appendonly: bool = True, workdir: Path | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise LocalError("redis-server is not installed (apt-get install redis-server)")
+        self.binary = binary
+        self.appendonly = appendonly
+        self.port = free_ports(1)[0]
+        self._own_dir = workdir is None
+        self.dir = Path(tempfile.mkdtemp(prefix="kvl-redis-")) if workdir is None else workdir
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10) -> None:
+        command = [
+            self.binary,
+            *("--port", str(self.port), "--bind", "127.0.0.1", "--save", ""),
+            *("--appendonly", "yes" if self.appendonly else "no"),
+            *("--dir", str(self.dir), "--daemonize", "no"),
+        ]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise LocalError(f"redis-server did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def proxy_config(
+    port: int,
+    redis_url: str,
+    replicas_toml: str,
+    spool: Path,
+    *,
+    policy: str = "prefix_affinity",
+    monitor_interval_s: float | None = None,
+    extra: str = "",
+) -> str:
+    """A proxy config: ``[server]`` (``extra`` lines go there too), routing, spool, replicas."""
+    server = f'host = "127.0.0.1"\nport = {port}\nredis_url = "{redis_url}"\n'
+    if monitor_interval_s is not None:
+        server += f"monitor_interval_s = {monitor_interval_s}\n"
+    return (
+        f"[server]\n{server}{extra}\n\n"
+        f'[routing]\npolicy = "{policy}"\n\n'
+        f'[lineage]\nspool_path = "{spool}"\n\n{replicas_toml}'
+    )
+
+
+class ProxyProcess:
+    """``kvledger serve`` in its own process, with a config written into ``workdir``
+    (``kvledger.toml``, ``proxy.log``, ``spool.jsonl``); ``replicas_toml`` names the replicas."""
+
+    def __init__(
+        self,
+        replicas_toml: str,
+        redis_url: str,
+        *,
+        port: int | None = None,
+        workdir: Path | None = None,
+        policy: str = "prefix_affinity",
+        monitor_interval_s: float | None = None,
+        extra: str = "",
+        admin_token: str = "admin-secret",
+    ) -> None:
+        self.port = free_ports(1)[0] if port is None else port
+        self.dir = Path(tempfile.mkdtemp(prefix="kvl-proxy-")) if workdir is None else workdir
+        self.redis_url = redis_url
+        self.admin_token = admin_token
+        self.config = self.dir / "kvledger.toml"
+        self.log_path = self.dir / "proxy.log"
+        spool = self.dir / "spool.jsonl"
+        self.config.write_text(
+            proxy_config(
+                self.port,
+                redis_url,
+                replicas_toml,
+                spool,
+                policy=policy,
+                monitor_interval_s=monitor_interval_s,
+                extra=extra,
+            )
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def start(self, timeout_s: float = 60) -> None:
+        """Start it and wait until ``/readyz`` answers; LocalError with the log's tail if not."""
+        command = [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config)]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=proxy_env(self.admin_token)
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LocalError(
+                    f"the proxy exited with {self.process.returncode}:\n{self.log[-3000:]}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=2):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        raise LocalError("the proxy did not become ready:\n" + self.log[-3000:])
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=timeout_s)
+
+
+def create_key(redis_url: str, name: str, *, replace: bool = False, **profile: Any) -> str:
+    """A new API key for ``name`` straight in Redis (``replace`` revokes an existing one)."""
+    from router.ledger.connect import connect
+    from router.ledger.keys import KeyStore, Profile
+
+    async def create() -> str:
+        client = connect(redis_url, timeout_s=5, connect_timeout_s=5)
+        try:
+            store = KeyStore(client)
+            if replace:
+                await store.revoke(name)
+            return await store.create(Profile(name=name, **profile))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(create())
+
+
+def wait_for_signal(alive: Callable[[], bool] = lambda: True) -> None:
+    """Block until SIGINT or SIGTERM (Ctrl-C, or a supervisor stopping us), or until ``alive``
+    says what we hold has gone."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5) and alive():
+        pass
+
+
+def stand_in_specs(total: int, reuse_on: int, prefix: str = "r", **model: Any) -> list[ReplicaSpec]:
+    """``total`` stand-in replicas ``PREFIX1..N``; the first ``reuse_on`` reuse KV blocks."""
+    return [
+        ReplicaSpec(f"{prefix}{i + 1}", ModelSettings(reuse=i < reuse_on, **model))
+        for i in range(total)
+    ]
+
+
+def describe(replica: Replica) -> str:
+    """One line: where a stand-in replica listens and what it is."""
+    model = replica.spec.model
+    return (
+        f"  {replica.id}: http {replica.http_url}  grpc {replica.grpc_url}"
+        f"  metrics {replica.metrics_url}  (reuse {'on' if model.reuse else 'off'},"
+        f" {model.precision})"
+    )
+
+
+def proxy_env(admin_token: str) -> dict[str, str]:
+    """This environment for a proxy process, with its admin token and no Redis override."""
+    env = {**os.environ, "KVL_ADMIN_TOKEN": admin_token}
+    env.pop("REDIS_URL", None)
+    env.pop("KVL_REDIS_URL", None)
+    return env

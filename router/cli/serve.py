@@ -1,0 +1,58 @@
+"""``kvledger serve --config FILE``: run the proxy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from router.logs import configure
+from router.settings import Settings, SettingsError, load_settings
+
+
+def register(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="run the proxy")
+    serve.add_argument("--config", type=Path, required=True, help="the proxy's TOML config")
+    serve.set_defaults(run=run_serve)
+
+
+def _event_loop_policy() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def serve(settings: Settings, print_ready: bool = True) -> None:
+    """Run until SIGINT or SIGTERM; aiohttp runs the cleanup contexts on the way out."""
+    from router.http.app import create_app  # imported here: other commands need not pay for it
+
+    configure(settings.log_level)
+    _event_loop_policy()
+    app = create_app(settings)
+    if print_ready:
+        print(f"kvledger listening on http://{settings.host}:{settings.port}", flush=True)
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config, os.environ)
+    except SettingsError as exc:
+        print(f"kvledger: {exc}", file=sys.stderr)
+        return 2
+    serve(settings)
+    return 0

@@ -1,0 +1,1 @@
+"""Eval mode: runs, leases, turns, continuity, verified resets, replay, snapshots, diffs."""

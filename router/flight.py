@@ -1,0 +1,144 @@
+"""A flight: one request admitted to one replica, from its first chunk to its lineage record.
+
+Both dispatchers (production and eval) start flights through :func:`take_off`, the one place
+where a replica's load is counted, the backend stream opened and the first chunk awaited; they
+differ in what happens when the flight ends (their ``Settler``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from backends.base import BackendError, Chunk, EngineStats, GenerationRequest
+from policies import Decision
+from router.errors import KvlError, UpstreamFailed
+from router.fleet import ReplicaState
+from router.ledger.records import Admission, Outcome, Principal, RecordInput
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """What a front asked for: the model, the engine request, and how to answer."""
+
+    model: str
+    request: GenerationRequest
+    echo_prompt: bool = False  # Triton front: exclude_input_in_output false
+    episode: str | None = None  # X-Kvl-Episode: aligns eval runs in `kvledger runs diff`
+
+
+class Settler(Protocol):
+    """What a flight reports to when it ends: the production or the eval dispatcher."""
+
+    def release(self, flight: Flight) -> None: ...
+
+    async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]: ...
+
+
+@dataclass
+class Flight:
+    """One request admitted to one replica; iterate ``chunks()``, then call ``finish()`` once."""
+
+    dispatcher: Settler
+    parsed: Parsed
+    principal: Principal
+    replica: ReplicaState
+    decision: Decision
+    head: asyncio.Future[Admission]
+    stream: AsyncGenerator[Chunk, None]
+    first: Chunk
+    started: float
+    first_chunk_at: float
+    failure: Callable[[str], KvlError] = UpstreamFailed  # how a mid-stream failure answers
+    finished: bool = False
+    pieces: list[str] = field(default_factory=list)
+    stats: EngineStats | None = None
+    context: Any = None  # the eval dispatcher's turn
+
+    async def admission(self) -> Admission:
+        return await self.head
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        chunk: Chunk | None = self.first
+        while chunk is not None:
+            self.pieces.append(chunk.text)
+            if chunk.stats is not None:
+                self.stats = chunk.stats
+            yield chunk
+            chunk = None if chunk.final else await self._next()
+
+    async def _next(self) -> Chunk:
+        try:
+            return await anext(self.stream)
+        except StopAsyncIteration as exc:
+            raise self.failure(f"replica {self.replica.id} ended the stream early") from exc
+        except BackendError as exc:
+            raise self.failure(str(exc)) from exc
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def record_input(self, admission: Admission) -> RecordInput:
+        """The parts of this flight a lineage record is made of."""
+        return RecordInput(
+            request=self.parsed.request,
+            model=self.parsed.model,
+            episode=self.parsed.episode,
+            principal=self.principal,
+            policy=self.decision.policy,
+            reason=self.decision.reason,
+            tokens_per_block=self.replica.settings.tokens_per_block,
+            admission=admission,
+        )
+
+    async def finish(self, status: str) -> dict[str, Any]:
+        """Release the replica, advance its chain, write the lineage record; returns the record."""
+        if self.finished:
+            raise RuntimeError("finish() called twice")
+        self.finished = True
+        self.dispatcher.release(self)
+        if status != "ok":
+            await self.stream.aclose()  # cancels the request inside Triton
+        outcome = Outcome(
+            status=status,
+            output=self.text,
+            stats=self.stats,
+            latency_s=time.perf_counter() - self.started,
+            first_chunk_s=self.first_chunk_at - self.started,
+        )
+        return await self.dispatcher.settle(self, outcome)
+
+
+async def take_off(
+    settler: Settler,
+    parsed: Parsed,
+    principal: Principal,
+    replica: ReplicaState,
+    decision: Decision,
+    head: asyncio.Future[Admission],
+    *,
+    failure: Callable[[str], KvlError] = UpstreamFailed,
+) -> Flight:
+    """Count the request on the replica, open its stream and wait for the first chunk.
+
+    Whatever the first chunk raises, the replica's count is undone, the stream closed and the
+    exception propagates unchanged: the caller decides what it means (fail over, 503, 400).
+    """
+    started = time.perf_counter()
+    replica.in_flight += 1
+    stream = replica.backend.stream(parsed.request)
+    try:
+        first = await anext(stream)
+    except BaseException:
+        replica.in_flight -= 1
+        head.cancel()
+        await stream.aclose()
+        raise
+    now = time.perf_counter()
+    return Flight(
+        settler, parsed, principal, replica, decision, head, stream, first, started, now, failure
+    )

@@ -1,0 +1,1 @@
+"""The HTTP edge: the aiohttp app, the fronts, parsing, responding, the error middleware."""

@@ -1,0 +1,146 @@
+"""The aiohttp application: ``create_app(settings, ...)`` wires fronts, dispatch and resources.
+
+Resources are typed ``web.AppKey`` entries opened and closed by ``cleanup_ctx`` in order: Redis,
+the HTTP session for metric scrapes, the backends, the ledger (its writer drains on close), the
+fleet with its dispatcher, and the generation monitor. Tests inject their own backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from backends.base import Backend
+from backends.triton import TritonBackend, TritonTarget
+from policies import make_policy
+from router.dispatch import Dispatcher
+from router.eval.dispatch import EvalDispatcher
+from router.eval.runs import Runs
+from router.fleet import Fleet, ReplicaState
+from router.http import admin, admin_runs, openai, ops, triton
+from router.http.context import (
+    DISPATCH,
+    EVAL,
+    FLEET,
+    HTTP,
+    KEYS,
+    LEDGER,
+    METRICS,
+    REDIS,
+    RUNS,
+    SETTINGS,
+)
+from router.http.errors import error_middleware
+from router.ledger import Ledger, LedgerConfig
+from router.ledger.connect import connect
+from router.ledger.errors import LedgerError
+from router.ledger.keys import KeyStore
+from router.ledger.runs import RunStore
+from router.ledger.turns import Turns
+from router.metrics import Metrics
+from router.monitor import Monitor
+from router.settings import Settings
+
+BackendFactory = Callable[[Settings, aiohttp.ClientSession], Mapping[str, Backend]]
+_log = structlog.get_logger("kvledger.app")
+
+
+def triton_backends(settings: Settings, http: aiohttp.ClientSession) -> dict[str, Backend]:
+    backends: dict[str, Backend] = {}
+    for r in settings.replicas:
+        target = TritonTarget(
+            replica_id=r.id,
+            grpc=r.grpc,
+            metrics=r.metrics,
+            model=r.model,
+            seed_input=r.seed_input,
+            perf_input=r.perf_input,
+            token_counts=r.token_counts,
+            timeout_s=settings.limits.backend_timeout_s,
+        )
+        backends[r.id] = TritonBackend(target, http)
+    return backends
+
+
+def _ledger_config(settings: Settings) -> LedgerConfig:
+    lineage = settings.lineage
+    return LedgerConfig(
+        lineage_maxlen=lineage.stream_maxlen,
+        request_ttl_s=lineage.request_ttl_s,
+        buffer_size=lineage.buffer_size,
+        spool_path=lineage.spool_path,
+    )
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    redis = connect(settings.redis_url)
+    http = aiohttp.ClientSession()
+    app[REDIS], app[HTTP] = redis, http
+    app[KEYS] = KeyStore(redis)
+    ledger = Ledger(redis, _ledger_config(settings), structlog.get_logger("kvledger.ledger"))
+    app[LEDGER] = ledger
+    await ledger.start()
+    try:
+        yield
+    finally:
+        await ledger.close()
+        await http.close()
+        await redis.aclose()
+
+
+def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        backends = factory(settings, app[HTTP])
+        fleet = Fleet({r.id: ReplicaState(r, backends[r.id]) for r in settings.replicas})
+        app[FLEET] = fleet
+        app[METRICS] = Metrics(fleet, app[LEDGER].stats)
+        policy = make_policy(settings.policy, **dict(settings.policy_options))
+        app[DISPATCH] = Dispatcher(fleet, app[LEDGER], policy, app[METRICS])
+        turns, store = Turns(app[REDIS]), RunStore(app[REDIS])
+        # Other proxies learn a new lease within one monitor interval: resets wait that long.
+        runs = Runs(fleet, app[LEDGER], store, turns, settings.eval, settings.monitor_interval_s)
+        app[RUNS] = runs
+        app[EVAL] = EvalDispatcher(fleet, app[LEDGER], runs, turns, settings.eval, app[METRICS])
+        await _register(store, settings)
+        monitor = Monitor(fleet, app[LEDGER], settings.monitor_interval_s, hook=runs.tick)
+        await monitor.tick()  # know health and generations before the first request
+        task = asyncio.create_task(monitor.run(), name="kvl-monitor")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await asyncio.gather(*(b.close() for b in backends.values()))
+
+    return ctx
+
+
+async def _register(store: RunStore, settings: Settings) -> None:
+    """Tell Redis which replicas exist, so keys can be checked against them without a proxy."""
+    entries = {r.id: {"model": r.model, "reuse": r.reuse} for r in settings.replicas}
+    try:
+        await store.register(entries)
+    except LedgerError as exc:
+        _log.warning("replicas_not_registered", error=str(exc))
+
+
+def create_app(
+    settings: Settings, *, backends: BackendFactory = triton_backends
+) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=settings.limits.max_body_bytes
+    )
+    app[SETTINGS] = settings
+    app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(_fleet_ctx(backends))
+    for module in (openai, triton, ops, admin, admin_runs):
+        app.add_routes(module.routes())
+    return app

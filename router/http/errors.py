@@ -1,0 +1,67 @@
+"""The error tree of ``router.errors`` as HTTP: OpenAI-shaped bodies, one middleware.
+
+Every ``KvlError`` becomes ``{"error": {"message", "type", "code", "param"}}`` with its status
+and headers; aiohttp's own refusals (no route, wrong method, body too large) take the same
+shape; anything else is a bug, logged with its traceback, answered with a plain 500.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from router.errors import (
+    ClientError,
+    KvlError,
+    NotFound,
+    PayloadTooLarge,
+    ServiceError,
+    Unauthorized,
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_log = structlog.get_logger("kvledger.errors")
+
+
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+
+
+def error_response(error: KvlError) -> web.Response:
+    body = error_body(error.message, error.type, error.code, error.param)
+    return web.Response(
+        body=orjson.dumps(body),
+        status=error.status,
+        content_type="application/json",
+        headers=error.headers,
+    )
+
+
+def _from_http(exc: web.HTTPException) -> KvlError:
+    """aiohttp's own refusals (no route, wrong method, body too large) in our shape."""
+    mapping: dict[int, type[KvlError]] = {404: NotFound, 413: PayloadTooLarge, 401: Unauthorized}
+    cls = mapping.get(exc.status, ClientError if exc.status < 500 else ServiceError)
+    error = cls(exc.reason if exc.status != 413 else "request body too large")
+    error.status = exc.status
+    if exc.status == 405:
+        error.code = "method_not_allowed"
+    return error
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except KvlError as error:
+        return error_response(error)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(_from_http(exc))
+    except Exception:
+        _log.exception("unhandled_error", path=request.path)
+        return error_response(KvlError("internal error; see the proxy's log"))

@@ -1,0 +1,142 @@
+"""OpenAI-compatible front: /v1/chat/completions, /v1/completions (streamed or not), /v1/models."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from router.errors import NotFound
+from router.flight import Parsed
+from router.http.context import SETTINGS, authenticate, episode, new_request_id, read_json
+from router.http.parse import parse_chat, parse_completion
+from router.http.respond import Reply, serve_json, serve_stream
+
+
+def _usage(record: dict[str, Any]) -> dict[str, Any]:
+    prompt, completion = int(record["prompt_tokens"]), int(record["completion_tokens"])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(record["cached_tokens"])},
+    }
+
+
+def _finish_reason(parsed: Parsed, record: dict[str, Any]) -> str:
+    return "length" if record["completion_tokens"] >= parsed.request.max_tokens else "stop"
+
+
+class OpenAIReply(Reply):
+    """Bodies and stream events in OpenAI's shapes, chat or plain completion."""
+
+    def __init__(self, parsed: Parsed, chat: bool) -> None:
+        self.parsed = parsed
+        self.chat = chat
+        rid = parsed.request.request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + rid
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.parsed.model}
+
+    def body(self, text: str, record: dict[str, Any]) -> dict[str, Any]:
+        reason = _finish_reason(self.parsed, record)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            **self._base(self.object),
+            "choices": [choice],
+            "usage": _usage(record),
+            "kvledger": record,
+        }
+
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return b"data: " + orjson.dumps({**self._base(obj), "choices": [choice]}) + b"\n\n"
+
+    def piece(self, text: str) -> bytes:
+        if self.chat:
+            return self._chunk({"index": 0, "delta": {"content": text}, "finish_reason": None})
+        return self._chunk({"index": 0, "text": text, "finish_reason": None, "logprobs": None})
+
+    def closing(self, record: dict[str, Any]) -> bytes:
+        reason = _finish_reason(self.parsed, record)
+        end = self._chunk(
+            {"index": 0, "delta": {}, "finish_reason": reason}
+            if self.chat
+            else {"index": 0, "text": "", "finish_reason": reason, "logprobs": None}
+        )
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        ledger = {**self._base(obj), "choices": [], "usage": _usage(record), "kvledger": record}
+        return end + b"data: " + orjson.dumps(ledger) + b"\n\ndata: [DONE]\n\n"
+
+    def error_event(self, error: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
+
+
+async def _serve(request: web.Request, parsed: Parsed, chat: bool) -> web.StreamResponse:
+    reply = OpenAIReply(parsed, chat)
+    if parsed.request.stream:
+        return await serve_stream(request, parsed, reply)
+    return await serve_json(request, parsed, reply)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    principal = await authenticate(request)
+    settings = request.app[SETTINGS]
+    body = await read_json(request)
+    parsed = replace(
+        parse_chat(body, new_request_id(), settings.template, settings.limits.max_tokens),
+        episode=episode(request),
+    )
+    request["principal"] = principal
+    return await _serve(request, parsed, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    principal = await authenticate(request)
+    settings = request.app[SETTINGS]
+    body = await read_json(request)
+    parsed = replace(
+        parse_completion(body, new_request_id(), settings.limits.max_tokens),
+        episode=episode(request),
+    )
+    request["principal"] = principal
+    return await _serve(request, parsed, chat=False)
+
+
+async def models(request: web.Request) -> web.Response:
+    await authenticate(request)
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "kvledger"}
+        for m in request.app[SETTINGS].models
+    ]
+    return web.json_response(
+        {"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode()
+    )
+
+
+async def model(request: web.Request) -> web.Response:
+    await authenticate(request)
+    name = request.match_info["model"]
+    if name not in request.app[SETTINGS].models:
+        raise NotFound(f"model '{name}' is not served here", param="model")
+    body = {"id": name, "object": "model", "created": 0, "owned_by": "kvledger"}
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.get("/v1/models", models),
+        web.get("/v1/models/{model}", model),
+    ]

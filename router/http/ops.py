@@ -1,0 +1,43 @@
+"""Operations endpoints: liveness, readiness (fails while no replica is ready), Prometheus."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from router.http.context import FLEET, LEDGER, METRICS
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    replicas = {r.id: r.healthy for r in fleet}
+    ready = fleet.any_ready()
+    body = {
+        "ready": ready,
+        "replicas": replicas,
+        "redis": bool(request.app[LEDGER].stats().get("redis_up")),
+    }
+    return _json(body, 200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        body=request.app[METRICS].render(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+    ]

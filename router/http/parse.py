@@ -1,0 +1,183 @@
+"""Request bodies of the fronts → engine requests, with a clear 400 for every client mistake.
+
+One JSON parse per request (orjson) and hand-written checks: the error says which field is wrong
+and why, in OpenAI's error shape, and nothing a client sends can become a 500.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from backends.base import GenerationRequest
+from router.errors import BadRequest
+from router.flight import Parsed
+from router.settings import ChatTemplate
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRequest(f"'{name}' must be a number", param=name)
+    if not low <= value <= high:
+        raise BadRequest(f"'{name}' must be between {low} and {high}, got {value}", param=name)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer", param=name)
+    if not low <= value <= high:
+        raise BadRequest(f"'{name}' must be between {low} and {high}, got {value}", param=name)
+    return value
+
+
+def _strings(body: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise BadRequest(f"'{name}' must be a string or an array of non-empty strings", param=name)
+    if len(value) > 16:
+        raise BadRequest(f"'{name}' takes at most 16 sequences", param=name)
+    return tuple(value)
+
+
+def _model(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a string", param="model")
+    return model
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false", param=name)
+    return value
+
+
+def _sampling(
+    body: Mapping[str, Any], max_tokens_cap: int, names: Mapping[str, str]
+) -> dict[str, Any]:
+    max_tokens = _integer(body, names["max_tokens"], 0, max_tokens_cap)
+    return {
+        "max_tokens": 16 if max_tokens is None else max_tokens,
+        "temperature": _number(body, "temperature", 0.0, 2.0),
+        "top_k": _integer(body, "top_k", 0, 1 << 16),
+        "top_p": _number(body, "top_p", 0.0, 1.0),
+        "seed": _integer(body, "seed", 0, (1 << 63) - 1),
+        "stop": _strings(body, names["stop"]),
+    }
+
+
+_OPENAI = {"max_tokens": "max_tokens", "stop": "stop"}
+_TRITON = {"max_tokens": "max_tokens", "stop": "stop_words"}
+
+
+def _content(message: Any, index: int) -> str:
+    if not isinstance(message, dict):
+        raise BadRequest(f"'messages[{index}]' must be an object", param="messages")
+    role, content = message.get("role"), message.get("content")
+    if role not in _ROLES:
+        raise BadRequest(
+            f"'messages[{index}].role' must be one of {list(_ROLES)}", param="messages"
+        )
+    if isinstance(content, list):  # content parts: only text parts carry meaning here
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+            raise BadRequest(f"'messages[{index}].content' parts must be text", param="messages")
+        content = "".join(str(p) for p in parts)
+    if not isinstance(content, str):
+        raise BadRequest(f"'messages[{index}].content' must be a string", param="messages")
+    return content
+
+
+def render_chat(messages: Any, template: ChatTemplate) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    rendered = [
+        template.message.format(role=m["role"], content=_content(m, i))
+        for i, m in enumerate(messages)
+    ]
+    return "".join(rendered) + template.generation_prompt
+
+
+def _openai_max_tokens(body: dict[str, Any]) -> None:
+    # Newer SDKs send max_completion_tokens; treat it as max_tokens.
+    if "max_completion_tokens" in body and body.get("max_tokens") is None:
+        body["max_tokens"] = body["max_completion_tokens"]
+
+
+def _common(body: dict[str, Any], request_id: str, prompt: str, cap: int) -> GenerationRequest:
+    _openai_max_tokens(body)
+    n = _integer(body, "n", 1, 1)
+    del n  # only n=1 is served; larger values are refused by the range check above
+    return GenerationRequest(
+        request_id=request_id,
+        prompt=prompt,
+        stream=_flag(body, "stream"),
+        **_sampling(body, cap, _OPENAI),
+    )
+
+
+def parse_chat(body: dict[str, Any], request_id: str, template_for: Any, cap: int) -> Parsed:
+    model = _model(body)
+    prompt = render_chat(body.get("messages"), template_for(model))
+    return Parsed(model, _common(body, request_id, prompt, cap))
+
+
+def parse_completion(body: dict[str, Any], request_id: str, cap: int) -> Parsed:
+    model = _model(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise BadRequest("'prompt' is required and must be a string", param="prompt")
+    return Parsed(model, _common(body, request_id, prompt, cap))
+
+
+def parse_generate(
+    body: dict[str, Any], model: str, request_id: str, stream: bool, cap: int
+) -> Parsed:
+    """Triton's generate extension with TensorRT-LLM's ensemble input names."""
+    prompt = body.get("text_input")
+    if not isinstance(prompt, str):
+        raise BadRequest("'text_input' is required and must be a string", param="text_input")
+    sampling = _sampling(body, cap, _TRITON)
+    seed = _integer(body, "random_seed", 0, (1 << 63) - 1)
+    if sampling["seed"] is None and seed is not None:
+        sampling["seed"] = seed
+    request = GenerationRequest(
+        request_id=request_id,
+        prompt=prompt,
+        stream=stream or _flag(body, "stream"),
+        bad_words=_strings(body, "bad_words"),
+        **sampling,
+    )
+    echo = not _flag(body, "exclude_input_in_output", False)
+    return Parsed(model, request, echo_prompt=echo)

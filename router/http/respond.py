@@ -1,0 +1,107 @@
+"""Answering a proxied request: one JSON body, or a stream whose last event carries the record.
+
+Both paths end the flight exactly once (``ok``, ``error`` or ``cancelled``), so every admitted
+request advances its replica's chain and leaves a lineage record, also when the client is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from router.errors import KvlError, UpstreamFailed
+from router.flight import Flight, Parsed
+from router.http.context import SETTINGS, open_flight
+from router.http.errors import error_body
+
+_log = structlog.get_logger("kvledger.respond")
+
+
+class Reply(ABC):
+    """A front's response shapes."""
+
+    @abstractmethod
+    def body(self, text: str, record: dict[str, Any]) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def piece(self, text: str) -> bytes: ...
+
+    @abstractmethod
+    def closing(self, record: dict[str, Any]) -> bytes: ...
+
+    @abstractmethod
+    def error_event(self, error: dict[str, Any]) -> bytes: ...
+
+    def prefix(self) -> bytes:
+        """Bytes sent before the first piece (the Triton front's echoed prompt)."""
+        return b""
+
+
+async def _end(flight: Flight, status: str) -> dict[str, Any]:
+    # Shielded: a cancelled handler must still release the replica and write the record.
+    return await asyncio.shield(flight.finish(status))
+
+
+async def _drain(flight: Flight, timeout_s: float) -> None:
+    async with asyncio.timeout(timeout_s):
+        async for _ in flight.chunks():
+            pass
+
+
+async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.Response:
+    settings = request.app[SETTINGS]
+    flight = await open_flight(request, parsed)
+    try:
+        await _drain(flight, settings.limits.request_timeout_s)
+    except (asyncio.CancelledError, ConnectionResetError):
+        await _end(flight, "cancelled")
+        raise
+    except (KvlError, TimeoutError) as exc:
+        await _end(flight, "error")
+        if isinstance(exc, TimeoutError):
+            raise UpstreamFailed(f"replica {flight.replica.id} timed out") from exc
+        raise
+    record = await _end(flight, "ok")
+    admission = await flight.admission()
+    return web.Response(
+        body=orjson.dumps(reply.body(flight.text, record)),
+        content_type="application/json",
+        headers=admission.headers(parsed.request.request_id),
+    )
+
+
+async def serve_stream(request: web.Request, parsed: Parsed, reply: Reply) -> web.StreamResponse:
+    settings = request.app[SETTINGS]
+    flight = await open_flight(request, parsed)
+    response = web.StreamResponse()
+    try:
+        admission = await flight.admission()
+        response.headers.update(admission.headers(parsed.request.request_id))
+        response.content_type = "text/event-stream"
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        await response.write(reply.prefix())
+        async with asyncio.timeout(settings.limits.request_timeout_s):
+            async for chunk in flight.chunks():
+                if chunk.text:
+                    await response.write(reply.piece(chunk.text))
+    except (asyncio.CancelledError, ConnectionResetError) as exc:
+        record = await _end(flight, "cancelled")
+        _log.info("client_gone", request_id=record["request_id"], replica=flight.replica.id)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return response
+    except (KvlError, TimeoutError) as exc:
+        await _end(flight, "error")
+        error = exc if isinstance(exc, KvlError) else UpstreamFailed("replica timed out")
+        await response.write(reply.error_event(error_body(error.message, error.type, error.code)))
+        return response
+    record = await _end(flight, "ok")
+    await response.write(reply.closing(record))
+    await response.write_eof()
+    return response

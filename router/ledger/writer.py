@@ -1,0 +1,308 @@
+"""The background writer: lineage jobs go to Redis in batches, or to the spool until it is back.
+
+Order: every job is submitted to the tail of one in-memory buffer. The writer moves jobs from
+its head, either to Redis or to the end of the spool, so every line in the spool is older than
+every job in the buffer, and draining the spool before the buffer keeps global submit order
+(late chain steps included). A batch taken from the buffer stays in it until Redis has
+acknowledged it; if the buffer fills up meanwhile, ``put`` moves the head (that batch too) to
+the spool, and the writer then marks those lines as drained instead of removing them again.
+
+Backpressure: above half of ``buffer_size`` the writer spools instead of waiting on Redis; at
+``buffer_size`` (the writer is stuck on a slow Redis or disk) ``put`` spools the oldest jobs
+itself. Jobs are dropped only when the spool's write fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import redis.asyncio as aioredis
+import structlog
+from redis.typing import EncodableT
+
+from router.ledger.chain import Advance
+from router.ledger.errors import REDIS_FAILURES
+from router.ledger.schema import (
+    LINEAGE,
+    Scripts,
+    advance_from,
+    cache_key,
+    request_key,
+    run_lineage_key,
+    step_key,
+    stream_fields,
+)
+from router.ledger.spool import Job, Spool, job_from_line
+
+BATCH = 256  # records per Redis pipeline and per spool write
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerConfig:
+    lineage_maxlen: int = 1_000_000
+    request_ttl_s: int = 7 * 24 * 3600
+    buffer_size: int = 10_000
+    spool_path: Path = Path("kvledger-spool.jsonl")
+    spool_fsync_every: int = 64  # records, or
+    spool_fsync_after_s: float = 0.05  # since the oldest unsynced one
+    # How long a chain step called with a request id remembers its answer, so that a retry
+    # (its reply was lost) cannot step twice. Per-request keys: short for the request path;
+    # spooled steps keep theirs for request_ttl_s, as they may be retried after a restart.
+    step_ttl_s: int = 600
+    redis_timeout_s: float = 0.5
+    retry_interval_s: float = 0.5
+    close_timeout_s: float = 5.0
+
+
+class Writer:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        scripts: Scripts,
+        config: LedgerConfig,
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> None:
+        self._client, self._scripts, self._cfg, self._log = client, scripts, config, log
+        self.spool = Spool(config.spool_path, log)
+        self.buffer: deque[Job] = deque()
+        self.redis_up = True
+        self.steps_in_buffer = 0
+        self.spooled_total = self.written_total = self.dropped_total = 0
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Event()  # set after every cycle, for close()
+        self._unsynced = 0
+        self._sync_due = 0.0
+        self._next_probe = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def put(self, job: Job) -> None:
+        self.buffer.append(job)
+        self.steps_in_buffer += job.step is not None
+        if len(self.buffer) >= self._cfg.buffer_size:
+            self.spill(BATCH)
+        self._wake.set()
+
+    def drop(self, request_id: str, reason: str) -> None:
+        self.dropped_total += 1
+        self._log.error("ledger_record_dropped", request_id=request_id, reason=reason)
+
+    def went_down(self, exc: BaseException) -> None:
+        if self.redis_up:
+            self._log.warning("ledger_redis_down", error=f"{type(exc).__name__}: {exc}")
+        self.redis_up = False
+        self._next_probe = time.monotonic() + self._cfg.retry_interval_s
+        self._wake.set()
+        self._progress.set()
+
+    def spill(self, limit: int) -> None:
+        """Move up to ``limit`` jobs from the head of the buffer to the end of the spool."""
+        jobs = [self.buffer.popleft() for _ in range(min(limit, len(self.buffer)))]
+        if not jobs:
+            return
+        self.steps_in_buffer -= sum(job.step is not None for job in jobs)
+        if not self.spool.append(jobs):
+            for job in jobs:
+                self.drop(job.request_id, "spool write failed")
+            return
+        self.spooled_total += len(jobs)
+        if self._unsynced == 0:
+            self._sync_due = time.monotonic() + self._cfg.spool_fsync_after_s
+        self._unsynced += len(jobs)
+
+    async def run(self) -> None:
+        """The writer task: never returns, never raises but for cancellation."""
+        while True:
+            try:
+                await self._cycle()
+                self._progress.set()
+            except Exception:  # a bug must not stop the ledger: log it, back off, go on
+                self._log.exception("ledger_writer_failed")
+                await asyncio.sleep(self._cfg.retry_interval_s)
+
+    async def _cycle(self) -> None:
+        await self._sync_if_due()
+        high_water = len(self.buffer) > self._cfg.buffer_size // 2
+        if self.buffer and (not self.redis_up or high_water):
+            self.spill(BATCH)
+            await asyncio.sleep(0)  # one batch of disk writes at a time, then let others run
+        elif not self.redis_up:
+            if time.monotonic() < self._next_probe or not await self.probe():
+                await self._idle()
+        elif self.spool.pending:
+            await self._drain_spool()
+        elif self.buffer:
+            await self._drain_buffer()
+        else:
+            await self._idle()
+
+    async def probe(self) -> bool:
+        try:
+            async with asyncio.timeout(self._cfg.redis_timeout_s):
+                await self._client.ping()
+        except REDIS_FAILURES as exc:
+            self.went_down(exc)
+            return False
+        if not self.redis_up:
+            self._log.info("ledger_redis_up", spooled=self.spool.count)
+        self.redis_up = True
+        return True
+
+    async def start(self) -> None:
+        """Open the spool (draining what a previous process left), then start the task."""
+        await asyncio.to_thread(self.spool.open)
+        if self.spool.count:
+            path, count = str(self.spool.path), self.spool.count
+            self._log.info("ledger_spool_found", path=path, spooled=count)
+        await self.probe()
+        self._task = asyncio.create_task(self.run(), name="kvl-ledger-writer")
+
+    async def close(self) -> None:
+        """Write what Redis takes within close_timeout_s; spool the rest; release the spool."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._cfg.close_timeout_s):
+                while self._task and self.redis_up and (self.buffer or self.spool.pending):
+                    self._progress.clear()
+                    await self._progress.wait()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        while self.buffer:  # blocking writes, but only once, at shutdown
+            self.spill(BATCH)
+        await self.sync()
+        self.spool.close()
+        self._log.info("ledger_closed", written_total=self.written_total, spooled=self.spool.count)
+
+    async def _idle(self) -> None:
+        """Sleep until a submit, the next fsync or the next probe, whichever comes first."""
+        self._wake.clear()
+        if self.buffer:  # a submit came while we were awaiting something else
+            return
+        now = time.monotonic()
+        deadlines = [self._sync_due] if self._unsynced else []
+        if not self.redis_up:
+            deadlines.append(self._next_probe)
+        timeout = max(0.0, min(deadlines) - now) if deadlines else None
+        try:
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+
+    async def _sync_if_due(self) -> None:
+        if not self._unsynced:
+            return
+        if self._unsynced < self._cfg.spool_fsync_every and time.monotonic() < self._sync_due:
+            return
+        self._unsynced = 0
+        await self.sync()
+
+    async def sync(self) -> None:
+        try:
+            await asyncio.to_thread(self.spool.fsync)
+        except OSError as exc:
+            self._log.error("ledger_spool_fsync_failed", path=str(self.spool.path), error=str(exc))
+
+    async def _drain_spool(self) -> None:
+        start, end = self.spool.done, self.spool.size
+        lines = await asyncio.to_thread(self.spool.read, start, end, BATCH)
+        if not lines:  # only a torn write's remains are left
+            await self._mark_done(end, 0)
+            return
+        jobs: list[Job] = []
+        bad: list[int] = []
+        for end, line in lines:
+            try:
+                jobs.append(job_from_line(line))
+            except (ValueError, KeyError, TypeError, IndexError):
+                if line.strip():
+                    bad.append(end)
+        if await self._send(jobs, from_buffer=False):
+            for end in bad:
+                self.drop("?", f"unreadable spool line ending at byte {end}")
+            await self._mark_done(lines[-1][0], len(jobs) + len(bad))
+
+    async def _drain_buffer(self) -> None:
+        batch = [self.buffer[i] for i in range(min(BATCH, len(self.buffer)))]
+        if not await self._send(batch, from_buffer=True):
+            return  # still at the head of the buffer (or spilled in order): retried later
+        spilled = [job for job in batch if job.spool_end is not None]
+        for job in batch:
+            if self.buffer and self.buffer[0] is job:
+                self.buffer.popleft()
+                self.steps_in_buffer -= job.step is not None
+        if spilled:  # put() spooled them while they were in flight: they are the spool's head
+            await self._mark_done(max(job.spool_end or 0 for job in spilled), len(spilled))
+
+    async def _mark_done(self, offset: int, lines: int) -> None:
+        """Record progress; once all of the spool is in Redis, empty it (see ledger_spool)."""
+        self.spool.mark_done(offset, lines)
+        if self.spool.pending:
+            return
+        end = self.spool.size
+        await asyncio.to_thread(self.spool.save_marker, 0, True)
+        if not self.spool.truncate(end):  # lines came in meanwhile: keep them, and the offset
+            self.spool.save_marker(self.spool.done)
+
+    async def _send(self, jobs: list[Job], *, from_buffer: bool) -> bool:
+        """Run the jobs' due chain steps, then write their records; False if Redis failed."""
+        try:
+            await self._run_steps([job for job in jobs if job.step is not None], from_buffer)
+            await self._write(jobs)
+        except REDIS_FAILURES as exc:
+            self.went_down(exc)
+            return False
+        self.written_total += len(jobs)
+        return True
+
+    async def _run_steps(self, jobs: list[Job], from_buffer: bool) -> None:
+        if not jobs:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for job in jobs:
+            assert job.step is not None
+            keys = [cache_key(job.step.replica), step_key(job.step.replica, job.request_id)]
+            args: list[EncodableT] = [job.step.generation, job.step.digest, self._cfg.request_ttl_s]
+            await self._scripts.advance(keys=keys, args=args, client=pipe)
+        async with asyncio.timeout(self._cfg.redis_timeout_s):
+            replies = await pipe.execute()
+        for job, reply in zip(jobs, replies, strict=True):
+            assert job.step is not None
+            job.data = _fill(job.data, advance_from(job.step.replica, reply))
+            # Still in the buffer unless put() spooled it meanwhile (spill counted it then).
+            self.steps_in_buffer -= from_buffer and job.spool_end is None
+            job.step = None
+
+    async def _write(self, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for job in jobs:
+            fields = stream_fields(job.request_id, job.data)
+            pipe.xadd(LINEAGE, fields, maxlen=self._cfg.lineage_maxlen, approximate=True)
+            pipe.set(request_key(job.request_id), job.data, ex=self._cfg.request_ttl_s)
+            if job.run is not None:
+                pipe.xadd(run_lineage_key(job.run), fields)
+        async with asyncio.timeout(self._cfg.redis_timeout_s):
+            await pipe.execute()
+
+
+def _fill(data: bytes, step: Advance | None) -> bytes:
+    """The record with its late chain step: ``seq`` and ``state_before`` name the head the step
+    started from (as for a head read at admission), ``state_after`` where it moved."""
+    record = orjson.loads(data)
+    record["pending"] = True
+    if step is None or step.stale:
+        record["stale"] = True  # its generation ended (reset, restart) before Redis was back
+    else:
+        record["seq"] = step.seq - 1
+        record["state_before"] = step.state_before
+        record["state_after"] = step.state_after
+    return orjson.dumps(record)
