@@ -72,8 +72,8 @@ def assert_annotated(headers: Any, record: dict[str, Any], stored: dict[str, Any
     assert record["state_after"] and record["status"] == "ok"
 
 
-def test_every_front_annotates_and_matches_redis(stack: tuple[Proxy, str, LedgerView]) -> None:
-    """Chat, completions and generate, streamed or not: headers and body equal the stored record."""
+def test_openai_fronts_annotate_and_match_redis(stack: tuple[Proxy, str, LedgerView]) -> None:
+    """Chat and completions, streamed or not: headers and body equal the stored record."""
     proxy, key, ledger = stack
     sdk = client(proxy, key)
     raw = sdk.chat.completions.with_raw_response.create(
@@ -111,6 +111,10 @@ def test_every_front_annotates_and_matches_redis(stack: tuple[Proxy, str, Ledger
         completion.headers, body["kvledger"], ledger.record(body["kvledger"]["request_id"])
     )
 
+
+def test_triton_fronts_annotate_and_match_redis(stack: tuple[Proxy, str, LedgerView]) -> None:
+    """Generate and generate_stream: headers and body (last event) equal the stored record."""
+    proxy, key, ledger = stack
     generate = post(
         proxy,
         "/v2/models/ensemble/generate",

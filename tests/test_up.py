@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import urllib3
@@ -16,21 +17,10 @@ import urllib3
 from backends.sim.launcher import free_ports
 
 
-def test_up_serves_the_printed_first_request_and_stops_cleanly(tmp_path: Path) -> None:
-    """The printed key and request work, as do the printed settings for the commands (an eval
-    arm on the reuse-off replica); Ctrl-C stops every process it started."""
-    port = free_ports(1)[0]
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KVL_REDIS_URL")}
-    command = [
-        sys.executable,
-        "-m",
-        "router.cli",
-        "up",
-        "--port",
-        str(port),
-        "--workdir",
-        str(tmp_path),
-    ]
+def start_up(port: int, workdir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    """``kvledger up`` and what it printed up to its "Ctrl-C stops everything"."""
+    command = [sys.executable, "-m", "router.cli", "up", "--port", str(port)]
+    command += ["--workdir", str(workdir)]
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     assert up.stdout is not None
     output = b""
@@ -40,49 +30,58 @@ def test_up_serves_the_printed_first_request_and_stops_cleanly(tmp_path: Path) -
         if not line:
             break
         output += line
-    text = output.decode()
+    return up, output.decode()
+
+
+def chat(port: int, key: str, content: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+    body = {
+        "model": "ensemble",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": content}],
+    }
+    response = urllib3.request(
+        "POST",
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        body=orjson.dumps(body),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    return response.status, dict(response.headers), orjson.loads(response.data)
+
+
+def command_line(env: dict[str, str]) -> Any:
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "router.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    return cli
+
+
+def test_up_serves_the_printed_first_request_and_stops_cleanly(tmp_path: Path) -> None:
+    """The printed key and request work, as do the printed settings for the commands (an eval
+    arm on the reuse-off replica); Ctrl-C stops every process it started."""
+    port = free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KVL_REDIS_URL")}
+    up, text = start_up(port, tmp_path, env)
     try:
         key = re.search(r"API key \(shown once\): (\S+)", text)
         assert key is not None, text
-        body = {
-            "model": "ensemble",
-            "max_tokens": 8,
-            "messages": [{"role": "user", "content": "Hello!"}],
-        }
-        response = urllib3.request(
-            "POST",
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            body=orjson.dumps(body),
-            headers={"Authorization": f"Bearer {key.group(1)}", "Content-Type": "application/json"},
-        )
-        assert response.status == 200
-        assert orjson.loads(response.data)["kvledger"]["replica"] in ("r1", "r2")
+        status, _, body = chat(port, key.group(1), "Hello!")
+        assert status == 200 and body["kvledger"]["replica"] in ("r1", "r2")
         exported = re.search(r"export (KVL_URL=\S+ KVL_REDIS_URL=\S+ KVL_ADMIN_TOKEN=\S+)", text)
         assert exported is not None, text
-        cli_env = {**env, **dict(v.split("=", 1) for v in exported.group(1).split())}
-
-        def cli(*args: str) -> str:
-            done = subprocess.run(
-                [sys.executable, "-m", "router.cli", *args],
-                capture_output=True,
-                text=True,
-                env=cli_env,
-                timeout=120,
-            )
-            assert done.returncode == 0, done.stderr
-            return done.stdout.strip()
-
+        cli = command_line({**env, **dict(v.split("=", 1) for v in exported.group(1).split())})
         arm = cli("keys", "create", "my-arm", "--mode", "eval", "--cache", "off")
         run = cli("runs", "begin", "my-arm")
-        body["messages"][0]["content"] = "An eval request"  # type: ignore[index]
-        response = urllib3.request(
-            "POST",
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            body=orjson.dumps(body),
-            headers={"Authorization": f"Bearer {arm}", "Content-Type": "application/json"},
-        )
-        assert response.status == 200 and response.headers["X-Kvl-Run"] == run
-        assert orjson.loads(response.data)["kvledger"]["replica"] == "r3"
+        status, headers, body = chat(port, arm, "An eval request")
+        assert status == 200 and headers["X-Kvl-Run"] == run
+        assert body["kvledger"]["replica"] == "r3"
     finally:
         up.send_signal(signal.SIGINT)
         rest, _ = up.communicate(timeout=60)

@@ -7,13 +7,14 @@ reset marks, the serial turn of eval runs).
 """
 
 from router.ledger.chain import Advance, ChainHead
-from router.ledger.core import Ledger, LedgerConfig
+from router.ledger.core import Ledger
 from router.ledger.errors import (
     LedgerError,
     LedgerUnavailable,
     SpoolUnavailable,
     UnknownReplica,
 )
+from router.ledger.writer import LedgerConfig
 
 __all__ = [
     "Advance",

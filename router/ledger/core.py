@@ -30,7 +30,6 @@ from redis.typing import EncodableT
 
 from router.ledger.chain import Advance, ChainHead, genesis
 from router.ledger.errors import (
-    LedgerError,
     LedgerUnavailable,
     SpoolUnavailable,
     UnknownReplica,
@@ -51,17 +50,6 @@ from router.ledger.schema import (
 )
 from router.ledger.spool import Step, job_from_record
 from router.ledger.writer import LedgerConfig, Writer
-
-__all__ = [
-    "Advance",
-    "ChainHead",
-    "Ledger",
-    "LedgerConfig",
-    "LedgerError",
-    "LedgerUnavailable",
-    "SpoolUnavailable",
-    "UnknownReplica",
-]
 
 
 def _now() -> str:

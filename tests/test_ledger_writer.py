@@ -1,165 +1,35 @@
-"""The ledger against a real redis-server: chain steps, generations, lineage, and outages."""
+"""Lineage records on their way to Redis: streams, outages, the spool, retries."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
 import redis.asyncio as aioredis
-import structlog
 from structlog.testing import capture_logs
 
 from router.ledger import (
     ChainHead,
-    Ledger,
-    LedgerConfig,
     LedgerUnavailable,
     SpoolUnavailable,
 )
-from router.ledger.chain import fold, genesis, request_digest, step, text_digest
+from router.ledger.chain import fold, step
+from tests.ledger_helpers import (
+    ENGINE,
+    client,
+    lineage,
+    make_ledger,
+    record,
+    spool_line,
+    until,
+    written,
+)
 from tests.servers import RedisServer
 
-ENGINE = "trtllm-0.13|ensemble|v1"
-
-
-@pytest.fixture
-async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    redis = aioredis.Redis.from_url(
-        redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5
-    )
-    yield redis
-    await redis.aclose()
-
-
-def make_ledger(redis: aioredis.Redis, spool: Path, **config: Any) -> Ledger:
-    cfg = LedgerConfig(spool_path=spool, retry_interval_s=0.1, close_timeout_s=2.0, **config)
-    return Ledger(redis, cfg, structlog.get_logger("kvledger.ledger"))
-
-
-def record(i: int, *, run: str | None = None, generation: int = 1) -> dict[str, Any]:
-    output = f"answer {i}"
-    return {
-        "request_id": f"req-{i:04d}",
-        "replica": "r1",
-        "generation": generation,
-        "run": run,
-        "seq": None,
-        "state_before": None,
-        "state_after": None,
-        "pending": False,
-        "digest": request_digest("ensemble", f"prompt {i}", {"seed": i}, output),
-        "output_digest": text_digest(output),
-        "status": "ok",
-    }
-
-
-def spool_line(rec: dict[str, Any], *, pending: bool = False) -> bytes:
-    """One line of the documented spool format."""
-    step = None
-    if pending:
-        rec = {**rec, "pending": True}
-        step = {"replica": rec["replica"], "generation": rec["generation"], "digest": rec["digest"]}
-    return orjson.dumps({"step": step, "record": rec}) + b"\n"
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll: the writer works in the background, and tests wait for what it did, boundedly."""
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not reached within {timeout_s} s")
-
-
-def written(ledger: Ledger, count: int) -> Callable[[], bool]:
-    return lambda: bool(ledger.stats()["written_total"] == count)
-
-
-async def lineage(redis: aioredis.Redis) -> list[dict[str, Any]]:
-    """Every record in kvl:lineage as stored, repeats included."""
-    entries: list[Any] = await redis.xrange("kvl:lineage") or []
-    return [orjson.loads(fields[b"r"]) for _id, fields in entries]
-
-
-async def test_python_step_equals_lua_step(client: aioredis.Redis, tmp_path: Path) -> None:
-    """The chain Redis computes is the chain anyone can recompute in Python from the digests."""
-    ledger = make_ledger(client, tmp_path / "spool")
-    digests = [text_digest(str(i)) for i in range(20)] + ["not-hex é|ü", ""]
-    head = await ledger.ensure_replica("r1", ENGINE)
-    assert head.state == genesis(ENGINE)
-    for digest in digests:
-        moved = await ledger.advance("r1", head.generation, digest)
-        assert moved.state_after == step(moved.state_before, digest)
-    assert (await ledger.head("r1")).state == fold(genesis(ENGINE), digests)
-
-
-async def test_genesis_is_the_same_on_every_replica(client: aioredis.Redis, tmp_path: Path) -> None:
-    """Fresh caches of identical engines compare equal, whatever the replica or generation."""
-    ledger = make_ledger(client, tmp_path / "spool")
-    first = await ledger.ensure_replica("r1", ENGINE)
-    await ledger.new_generation("r2", ENGINE, "reset")
-    second = await ledger.new_generation("r2", ENGINE, "reset")
-    assert second.generation == 2
-    assert first.state == second.state == genesis(ENGINE) != genesis("other engine")
-
-
-async def test_advance_moves_by_one_and_ignores_stale(
-    client: aioredis.Redis, tmp_path: Path
-) -> None:
-    """Each step raises seq by one from where the last ended; an old generation moves nothing."""
-    ledger = make_ledger(client, tmp_path / "spool")
-    head = await ledger.ensure_replica("r1", ENGINE)
-    one = await ledger.advance("r1", head.generation, "d1")
-    two = await ledger.advance("r1", head.generation, "d2")
-    assert (one.seq, two.seq) == (1, 2)
-    assert two.state_before == one.state_after and not one.stale and not two.stale
-    stale = await ledger.advance("r1", head.generation + 1, "d3")
-    assert stale.stale and stale.seq == 2 and stale.state_after == two.state_after
-    assert await ledger.head("r1") == ChainHead("r1", 1, 2, two.state_after, ENGINE)
-
-
-async def test_concurrent_proxies_keep_one_chain(
-    redis_server: RedisServer, client: aioredis.Redis, tmp_path: Path
-) -> None:
-    """Two proxy instances stepping one replica at once leave one unbroken chain of 100 steps."""
-    other = aioredis.Redis.from_url(redis_server.url)
-    ledgers = [make_ledger(client, tmp_path / "a"), make_ledger(other, tmp_path / "b")]
-    head = await ledgers[0].ensure_replica("r1", ENGINE)
-    digests = [text_digest(f"request {i}") for i in range(100)]
-    steps = await asyncio.gather(
-        *(ledgers[i % 2].advance("r1", head.generation, d) for i, d in enumerate(digests))
-    )
-    await other.aclose()
-    by_seq = sorted(zip(steps, digests, strict=True), key=lambda pair: pair[0].seq)
-    assert [s.seq for s, _ in by_seq] == list(range(1, 101))
-    for (before, _), (after, _) in zip(by_seq, by_seq[1:], strict=False):
-        assert after.state_before == before.state_after
-    final = await ledgers[0].head("r1")
-    assert final.seq == 100
-    assert final.state == fold(genesis(ENGINE), [d for _, d in by_seq])
-
-
-async def test_new_generation_resets_and_is_logged(client: aioredis.Redis, tmp_path: Path) -> None:
-    """A reset raises the generation, restarts the chain at genesis and says why in the log."""
-    ledger = make_ledger(client, tmp_path / "spool")
-    head = await ledger.ensure_replica("r1", ENGINE)
-    await ledger.advance("r1", head.generation, "d1")
-    reset = await ledger.new_generation("r1", ENGINE, "verified reset")
-    assert (reset.generation, reset.seq, reset.state) == (2, 0, genesis(ENGINE))
-    assert await ledger.head("r1") == reset
-    changed = await ledger.ensure_replica("r1", "new engine")
-    assert (changed.generation, changed.state) == (3, genesis("new engine"))
-    events = await ledger.generations("r1")
-    assert [(e["generation"], e["reason"]) for e in events] == [
-        (1, "first seen"),
-        (2, "verified reset"),
-        (3, "engine changed"),
-    ]
+__all__ = ["client"]  # the fixture, used by name
 
 
 async def test_records_land_in_every_stream(client: aioredis.Redis, tmp_path: Path) -> None:
