@@ -113,6 +113,7 @@ class ReplicaCounters:
     iteration_counter: float = 0.0
     reused_blocks: float = 0.0
     active: float = 0.0  # requests the engine holds now (queued or running), from any client
+    used_blocks: float = 0.0  # KV-cache blocks holding anything (0: the cache is empty)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -127,6 +128,14 @@ class Backend(Protocol):
 
     async def reset(self) -> None:
         """Empty the replica's KV cache (for TensorRT-LLM: unload and load the model)."""
+        ...
+
+    async def load(self) -> None:
+        """Load the model (blocks until it is ready or failed)."""
+        ...
+
+    async def model_state(self) -> str:
+        """The model's state: READY, LOADING, UNLOADING, UNAVAILABLE."""
         ...
 
     async def ready(self) -> bool:

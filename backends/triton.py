@@ -219,8 +219,10 @@ class TritonBackend:
         await self._call(self._client.load_model(self.target.model))
 
     async def reset(self) -> None:
-        """Unload (returns at once), wait until the model is gone, then load (blocks till ready)."""
-        await self.unload()
+        """Unload (returns at once), wait until the model is gone, then load (blocks till ready).
+        A model that is not loaded (an earlier reset was interrupted) is only loaded."""
+        if await self.model_state() in ("READY", "UNLOADING", "LOADING"):
+            await self.unload()
         for _ in range(1200):
             if await self.model_state() not in ("READY", "UNLOADING"):
                 break
@@ -270,6 +272,7 @@ class TritonBackend:
             iteration_counter=sample(page, "nv_trt_llm_general_metrics", "iteration_counter"),
             reused_blocks=sample(page, _KV, 'kv_cache_block_type="reused"'),
             active=sample(page, "nv_trt_llm_request_metrics", 'request_type="active"'),
+            used_blocks=sample(page, _KV, 'kv_cache_block_type="used"'),
             metrics=page,
         )
 

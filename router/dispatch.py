@@ -1,14 +1,14 @@
 """Dispatch: principal and request → policy → replica → stream → ledger.
 
-The chain head is read concurrently with the backend call (the response headers need it, the
-backend does not), and the chain advances once when the request ends, whatever the ending:
-a cancelled request still touched the cache. In production a replica that cannot be reached is
-skipped for the next candidate, but only while nothing has been streamed.
+Nothing waits on Redis on the way in: the admission carries the generation this proxy knows.
+The chain advances once when the request ends, whatever the ending (a cancelled request still
+touched the cache), in one Redis call that also writes the record; the record's
+``state_before`` is the head that step advanced from. In production a replica that cannot be
+reached is skipped for the next candidate, but only while nothing has been streamed.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import structlog
@@ -18,8 +18,8 @@ from policies import Decision, NoReplicaAvailable, Policy, RequestFeatures, pref
 from router.errors import BadRequest, NotFound, Unavailable, UpstreamFailed
 from router.fleet import Fleet, ReplicaState
 from router.flight import Flight, Parsed, take_off
-from router.ledger import Ledger, LedgerError
-from router.ledger.records import Admission, Outcome, Principal, commit, make_record
+from router.ledger import Ledger
+from router.ledger.records import Admission, Outcome, Principal, make_record
 from router.metrics import Metrics
 
 _log = structlog.get_logger("kvledger.dispatch")
@@ -82,9 +82,9 @@ class Dispatcher:
         failures: list[str],
     ) -> Flight | None:
         self.policy.on_start(replica.id)
-        head = asyncio.create_task(self._admit(replica))
+        admission = Admission(replica.id, replica.generation, replica.engine_digest)
         try:
-            return await take_off(self, parsed, principal, replica, decision, head)
+            return await take_off(self, parsed, principal, replica, decision, admission)
         except BaseException as exc:
             self.policy.on_finish(replica.id)
             if isinstance(exc, BackendUnavailable):
@@ -94,21 +94,8 @@ class Dispatcher:
                 return None
             raise translate(exc) from exc
 
-    async def _admit(self, replica: ReplicaState) -> Admission:
-        try:
-            head = await self.ledger.head(replica.id)
-        except LedgerError:
-            return Admission(
-                replica.id, replica.generation, None, None, replica.engine_digest, True
-            )
-        return Admission(
-            replica.id, head.generation, head.seq, head.state, head.engine_digest, False
-        )
-
     async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]:
-        admission = await flight.admission()
-        record = make_record(flight.record_input(admission), outcome)
-        await commit(self.ledger, record)
+        record = await self.ledger.commit(make_record(flight.record_input(), outcome))
         account(self.metrics, flight.replica, record, outcome)
         return record
 

@@ -7,7 +7,6 @@ differ in what happens when the flight ends (their ``Settler``).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ class Flight:
     principal: Principal
     replica: ReplicaState
     decision: Decision
-    head: asyncio.Future[Admission]
+    admission: Admission
     stream: AsyncGenerator[Chunk, None]
     first: Chunk
     started: float
@@ -57,9 +56,6 @@ class Flight:
     pieces: list[str] = field(default_factory=list)
     stats: EngineStats | None = None
     context: Any = None  # the eval dispatcher's turn
-
-    async def admission(self) -> Admission:
-        return await self.head
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         chunk: Chunk | None = self.first
@@ -82,7 +78,7 @@ class Flight:
     def text(self) -> str:
         return "".join(self.pieces)
 
-    def record_input(self, admission: Admission) -> RecordInput:
+    def record_input(self) -> RecordInput:
         """The parts of this flight a lineage record is made of."""
         return RecordInput(
             request=self.parsed.request,
@@ -92,7 +88,7 @@ class Flight:
             policy=self.decision.policy,
             reason=self.decision.reason,
             tokens_per_block=self.replica.settings.tokens_per_block,
-            admission=admission,
+            admission=self.admission,
         )
 
     async def finish(self, status: str) -> dict[str, Any]:
@@ -119,7 +115,7 @@ async def take_off(
     principal: Principal,
     replica: ReplicaState,
     decision: Decision,
-    head: asyncio.Future[Admission],
+    admission: Admission,
     *,
     failure: Callable[[str], KvlError] = UpstreamFailed,
 ) -> Flight:
@@ -135,10 +131,19 @@ async def take_off(
         first = await anext(stream)
     except BaseException:
         replica.in_flight -= 1
-        head.cancel()
         await stream.aclose()
         raise
     now = time.perf_counter()
     return Flight(
-        settler, parsed, principal, replica, decision, head, stream, first, started, now, failure
+        settler,
+        parsed,
+        principal,
+        replica,
+        decision,
+        admission,
+        stream,
+        first,
+        started,
+        now,
+        failure,
     )

@@ -3,7 +3,9 @@
 Every few seconds each replica is asked for readiness, Triton's request counter for the model
 and the engine's cache counters. A restart or a reload shows as counters that went backwards,
 or as a model that was unavailable and came back; either way its KV cache started empty, so the
-generation rises by one, the chain restarts at genesis, and ``kvl:generations`` says why.
+generation rises by one and ``kvl:generations`` says why. The new generation's state is
+genesis only if the cache is still empty when the monitor looks (no request served since);
+otherwise requests nobody recorded may have filled it, and the state is unknown.
 """
 
 from __future__ import annotations
@@ -98,20 +100,28 @@ class Monitor:
         self._down[replica.id] = False
         replica.healthy = True
         with contextlib.suppress(LedgerError, BackendError):
-            await self._sync(replica)
+            await self._sync(replica, now)
 
-    async def _sync(self, replica: ReplicaState) -> None:
-        """Bring the ledger's generation up to date; retried next tick if Redis is away."""
+    async def _sync(self, replica: ReplicaState, counters: ReplicaCounters) -> None:
+        """Bring the ledger's generation up to date; retried next tick if Redis is away.
+
+        A generation starts at genesis only when the cache is proven empty (the request counter
+        and the engine's used-blocks gauge both read 0); otherwise its state is unknown.
+        """
         digest = await replica.backend.engine_digest()
-        if replica.engine_digest and digest != replica.engine_digest:
-            self._pending.setdefault(replica.id, "engine digest changed")
-        head = await self.ledger.ensure_replica(replica.id, digest)
+        empty = counters.request_count == 0 and counters.used_blocks == 0
+        count = counters.request_count
+        head = await self.ledger.ensure_replica(
+            replica.id, digest, proven_empty=empty, counter=count
+        )
         reason = self._pending.pop(replica.id, None)
         if reason is not None and head.generation > replica.generation > 0:
             # Another proxy (or a verified reset) already raised it for this same event.
             _log.info("generation_adopted", replica=replica.id, generation=head.generation)
         elif reason is not None:
-            head = await self.ledger.new_generation(replica.id, digest, reason)
+            head = await self.ledger.new_generation(
+                replica.id, digest, reason, proven_empty=empty, counter=count
+            )
             _log.info(
                 "generation_raised", replica=replica.id, generation=head.generation, reason=reason
             )

@@ -69,6 +69,8 @@ class EvalSettings:
     turn_ttl_s: float = 30.0  # a crashed proxy's turn is given up after this
     queue_timeout_s: float = 300.0  # a request waits this long for its turn, then 503
     continuity_wait_s: float = 2.0  # for the replica's counter to show the request
+    # Resets and run begins renew their claim this often; a claim 3 heartbeats old is dead.
+    heartbeat_s: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 import structlog
 
-from router.ledger import (
-    Ledger,
-    LedgerConfig,
-)
+from router.ledger import ChainHead, Ledger, LedgerConfig
 from router.ledger.chain import request_digest, text_digest
 from tests.servers import RedisServer
 
@@ -36,16 +33,18 @@ def make_ledger(redis: aioredis.Redis, spool: Path, **config: Any) -> Ledger:
     return Ledger(redis, cfg, structlog.get_logger("kvledger.ledger"))
 
 
-def record(i: int, *, run: str | None = None, generation: int = 1) -> dict[str, Any]:
+def record(
+    i: int, *, run: str | None = None, generation: int = 1, replica: str = "r1"
+) -> dict[str, Any]:
+    """A record as dispatch makes it, before its chain step."""
     output = f"answer {i}"
     return {
         "request_id": f"req-{i:04d}",
-        "replica": "r1",
+        "replica": replica,
         "generation": generation,
+        "engine_digest": ENGINE,
         "run": run,
-        "seq": None,
-        "state_before": None,
-        "state_after": None,
+        "warning": None,
         "pending": False,
         "digest": request_digest("ensemble", f"prompt {i}", {"seed": i}, output),
         "output_digest": text_digest(output),
@@ -53,13 +52,22 @@ def record(i: int, *, run: str | None = None, generation: int = 1) -> dict[str, 
     }
 
 
-def spool_line(rec: dict[str, Any], *, pending: bool = False) -> bytes:
-    """One line of the documented spool format."""
-    step = None
-    if pending:
-        rec = {**rec, "pending": True}
-        step = {"replica": rec["replica"], "generation": rec["generation"], "digest": rec["digest"]}
+def spool_line(rec: dict[str, Any]) -> bytes:
+    """One line of the documented spool format: a record whose chain step is still due."""
+    rec = {**rec, "pending": True}
+    step = {
+        "replica": rec["replica"],
+        "generation": rec["generation"],
+        "digest": rec["digest"],
+        "exact": False,
+        "tried_ms": None,
+    }
     return orjson.dumps({"step": step, "record": rec}) + b"\n"
+
+
+async def fresh_chain(ledger: Ledger, replica: str = "r1") -> ChainHead:
+    """A chain for ``replica`` that starts at genesis (its cache proven empty)."""
+    return await ledger.ensure_replica(replica, ENGINE, proven_empty=True, counter=0)
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -75,7 +83,7 @@ def written(ledger: Ledger, count: int) -> Callable[[], bool]:
     return lambda: bool(ledger.stats()["written_total"] == count)
 
 
-async def lineage(redis: aioredis.Redis) -> list[dict[str, Any]]:
-    """Every record in kvl:lineage as stored, repeats included."""
-    entries: list[Any] = await redis.xrange("kvl:lineage") or []
+async def lineage(redis: aioredis.Redis, replica: str = "r1") -> list[dict[str, Any]]:
+    """Every record in the replica's lineage stream as stored, repeats included."""
+    entries: list[Any] = await redis.xrange(f"kvl:{{replica:{replica}}}:lineage") or []
     return [orjson.loads(fields[b"r"]) for _id, fields in entries]

@@ -4,27 +4,36 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
+from router.eval.heartbeat import heartbeat
 from router.eval.profiles import ProfileError, check_fleet
+from router.ledger.core import Fence
 from router.ledger.keys import Profile
 from router.ledger.schema import cache_key
 from router.ledger.turns import TurnLost, Turns
+from tests.ledger_helpers import make_ledger, record
 from tests.servers import RedisServer
 
 REGISTRY = {"r1": {"model": "ensemble", "reuse": True}, "r3": {"model": "ensemble", "reuse": False}}
 
 
 @pytest.fixture
-async def turns(redis_server: RedisServer) -> AsyncIterator[Turns]:
-    client = aioredis.Redis.from_url(redis_server.url)
-    await client.hset(cache_key("r1"), mapping={"generation": 1, "seq": 0, "state": "g"})
+async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    redis = aioredis.Redis.from_url(redis_server.url)
+    await redis.hset(cache_key("r1"), mapping={"generation": 1, "seq": 0, "state": "g"})
     try:
-        yield Turns(client)
+        yield redis
     finally:
-        await client.aclose()
+        await redis.aclose()
+
+
+@pytest.fixture
+def turns(client: aioredis.Redis) -> Turns:
+    return Turns(client)
 
 
 async def test_turns_go_in_arrival_order_one_at_a_time(turns: Turns) -> None:
@@ -49,8 +58,11 @@ async def test_a_dead_waiter_is_skipped_and_learns_it_lost(turns: Turns) -> None
         await turns.try_acquire("r1", dead, 10_000, 10_000)
 
 
-async def test_a_holder_whose_turn_expired_cannot_advance_the_chain(turns: Turns) -> None:
-    """Fencing: after the turn expired and another request took it, the old token is refused."""
+async def test_a_holder_whose_turn_expired_cannot_pass_its_step_as_ordered(
+    turns: Turns, client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """Fencing: after the turn expired and another request took it, the old token's step is
+    recorded unordered (its place in the cache's order is lost); the holder's is ordered."""
     stale_ticket = await turns.enqueue("r1", 10_000)
     stale = await turns.try_acquire("r1", stale_ticket, 10_000, 20)
     assert stale is not None
@@ -59,9 +71,41 @@ async def test_a_holder_whose_turn_expired_cannot_advance_the_chain(turns: Turns
     fresh_ticket = await turns.enqueue("r1", 10_000)
     fresh = await turns.try_acquire("r1", fresh_ticket, 10_000, 10_000)
     assert fresh is not None
-    assert await turns.fenced_advance(stale, 1, "d", "run.1", 5) is None
-    step = await turns.fenced_advance(fresh, 1, "d", "run.1", 5)
-    assert step is not None and step.seq == 1 and step.state_before == "g"
+    ledger = make_ledger(client, tmp_path / "spool")
+    late = await ledger.fenced_commit(record(1), Fence(stale.token, "run.1", 5))
+    assert late["unordered"] and not late["exact"] and late["state_before"] == "g"
+    ordered = await ledger.fenced_commit(record(2), Fence(fresh.token, "run.1", 6))
+    assert not ordered["unordered"] and ordered["exact"] and ordered["seq"] == 1
+
+
+async def test_a_reset_whose_owner_died_is_found_and_taken_over(turns: Turns) -> None:
+    """A second reset is refused while one runs; once its owner's heartbeat stops, the reset is
+    orphaned and exactly one other proxy takes it over."""
+    assert await turns.begin_reset("r1", "proxy-a", 100, run="a.1", started="now") == ""
+    assert await turns.begin_reset("r1", "proxy-b", 100, started="now") == "proxy-a"
+    assert await turns.orphaned_resets(["r1"]) == []
+    await asyncio.sleep(0.15)  # proxy-a died: nobody renews its mark
+    assert await turns.orphaned_resets(["r1"]) == ["r1"]
+    intent = await turns.take_over_reset("r1", "proxy-b", 10_000)
+    assert intent["run"] == "a.1" and intent["dead_owner"] == "proxy-a"
+    assert await turns.take_over_reset("r1", "proxy-c", 10_000) == {}
+    await turns.end_reset("r1", "proxy-b")
+    assert await turns.orphaned_resets(["r1"]) == [] and (await turns.marks(["r1"]))["r1"] == (
+        None,
+        False,
+    )
+
+
+async def test_a_heartbeat_reports_the_claim_it_lost() -> None:
+    """A renewal that finds the claim gone (or Redis away) is remembered for the holder."""
+    answers = iter([None, "taken over"])
+
+    async def renew() -> str | None:
+        return next(answers)
+
+    async with heartbeat(renew, 0.01) as beat:
+        await asyncio.sleep(0.1)
+    assert beat.lost == "taken over"
 
 
 async def test_a_lease_is_exclusive_until_freed(turns: Turns) -> None:

@@ -73,8 +73,10 @@ def test_reset_arm_reruns_identically(stack: tuple[Proxy, LedgerView]) -> None:
     assert summary["episodes"] == len(EPISODES) and summary["diverged"] == 0
 
 
-def test_shared_arm_diverges_and_diff_blames_the_cache(stack: tuple[Proxy, LedgerView]) -> None:
-    """A shared arm reruns on the warm cache: episodes diverge, each explained by cache state."""
+def test_shared_arm_diverges_and_explain_proves_the_cache(stack: tuple[Proxy, LedgerView]) -> None:
+    """A shared arm reruns on the warm cache: episodes diverge, each classified by a rule that
+    could fail; replay proves at least one divergence caused by cache state (each run's output
+    reproduces under its own state) and says which one the cold computation matches."""
     proxy, ledger = stack
     reset = cli(proxy, "replicas", "reset", "r2")
     assert reset.returncode == 0, reset.stderr
@@ -89,11 +91,21 @@ def test_shared_arm_diverges_and_diff_blames_the_cache(stack: tuple[Proxy, Ledge
     records = ledger.tail(run=run_b)
     assert {r["replica"] for r in records} == {"r2"}
     assert records[0]["state_before"] == ledger.tail(run=run_a)[-1]["state_after"]
-    result = diff(proxy, run_a, run_b)["summary"]
-    assert result["diverged"] > 0
-    assert result["explained"] == result["diverged"] and result["unexplained"] == 0
+    found = diff(proxy, run_a, run_b)
+    result = found["summary"]
+    assert result["diverged"] > 0 and result["unknown"] == 0
+    outputs = [e for e in found["episodes"] if e["kind"] == "output"]
+    assert outputs and all(e["cause"] in ("reuse", "state", "unexplained") for e in outputs)
+    assert result["reuse"] + result["state"] + result["unexplained"] == len(outputs)
     table = cli(proxy, "runs", "diff", run_a, run_b)
-    assert "cache state" in table.stdout and f"{result['diverged']} diverged" in table.stdout
+    assert f"{result['diverged']} diverged" in table.stdout
+    explained = cli(proxy, "runs", "explain", run_a, run_b, "--limit", "2", "--json")
+    assert explained.returncode == 0, explained.stderr
+    assert "divergence(s) to explain" in explained.stderr  # progress, as it happens
+    report = orjson.loads(explained.stdout)
+    assert report["tried"] >= 1 and report["proven"] >= 1, report
+    proven = [c for c in report["cases"] if c["proven"]]
+    assert all(c["cold_matches"] in ("a", "b", "both", "neither") for c in proven)
 
 
 def test_off_arm_reruns_identically_without_reuse(stack: tuple[Proxy, LedgerView]) -> None:

@@ -1,9 +1,10 @@
-"""Lineage records on their way to Redis: streams, outages, the spool, retries."""
+"""Late chain steps and record indexes on their way to Redis: outages, the spool, retries."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import orjson
@@ -11,15 +12,13 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from router.ledger import (
-    ChainHead,
-    LedgerUnavailable,
-    SpoolUnavailable,
-)
+from router.ledger import LedgerUnavailable, SpoolUnavailable
 from router.ledger.chain import fold, step
+from router.ledger.spool import Step, job_from_record
 from tests.ledger_helpers import (
     ENGINE,
     client,
+    fresh_chain,
     lineage,
     make_ledger,
     record,
@@ -32,56 +31,56 @@ from tests.servers import RedisServer
 __all__ = ["client"]  # the fixture, used by name
 
 
-async def test_records_land_in_every_stream(client: aioredis.Redis, tmp_path: Path) -> None:
-    """A submitted record can be read back by request id, in the lineage tail and in its run."""
+async def test_records_read_back_by_id_tail_and_run(client: aioredis.Redis, tmp_path: Path) -> None:
+    """A record reads back by request id, in the tail (replicas merged in the order Redis wrote
+    them) and in its run."""
     ledger = make_ledger(client, tmp_path / "spool")
     await ledger.start()
-    records = [record(i, run="run-1" if i % 2 else None) for i in range(6)]
-    for r in records:
-        ledger.submit(r)
+    await client.hset("kvl:replicas", mapping={"r1": b"{}", "r2": b"{}"})
+    gens = {r: (await fresh_chain(ledger, r)).generation for r in ("r1", "r2")}
+    done = []
+    for i in range(6):
+        replica = "r1" if i % 3 else "r2"
+        rec = record(i, run="run-1" if i % 2 else None, replica=replica, generation=gens[replica])
+        done.append(await ledger.commit(rec))
     await until(written(ledger, 6))
-    assert await ledger.record("req-0003") == records[3]
+    assert await ledger.record("req-0003") == done[3]
     assert await ledger.record("missing") is None
     assert 0 < await client.ttl("kvl:req:req-0003") <= 7 * 24 * 3600
-    assert await lineage(client) == records
-    assert await ledger.tail(4) == records[2:]
-    assert await ledger.run_records("run-1") == records[1::2]
-    assert await ledger.tail(2, run="run-1") == records[3::2]
+    assert await ledger.tail(4) == done[2:]
+    assert await ledger.tail(10, replica="r2") == [done[0], done[3]]
+    assert await ledger.run_records("run-1") == done[1::2]
+    assert await ledger.tail(2, run="run-1") == done[3::2]
     await ledger.close()
 
 
-async def test_outage_spools_then_drains_in_order(
+async def test_outage_defers_then_steps_in_order(
     redis_server: RedisServer, client: aioredis.Redis, tmp_path: Path
 ) -> None:
-    """While Redis is down nothing fails and records are spooled; afterwards all 200 are written
-    in submit order, and the late chain steps ran in that order."""
+    """While Redis is down every request is answered pending and its step spooled; afterwards
+    all 120 steps run in submit order, each record written once, chained from the head."""
     spool = tmp_path / "spool.jsonl"
     ledger = make_ledger(client, spool)
     await ledger.start()
-    head = await ledger.ensure_replica("r1", ENGINE)
+    head = await fresh_chain(ledger)
     await client.save()  # the restarted server loads this snapshot: the chain survives
     redis_server.stop()
     with pytest.raises(LedgerUnavailable):
         await ledger.head("r1")
-    for i in range(200):
-        (ledger.submit_pending if i % 4 == 0 else ledger.submit)(record(i))
-    await until(lambda: ledger.stats()["spooled"] == 200)
-    assert not ledger.redis_up
-    spooled = [
-        orjson.loads(line)["record"]["request_id"] for line in spool.read_bytes().splitlines()
-    ]
-    assert spooled == [f"req-{i:04d}" for i in range(200)]
+    answered = [await ledger.commit(record(i, generation=head.generation)) for i in range(120)]
+    assert all(r["pending"] and r["state_after"] is None for r in answered)
+    await until(lambda: ledger.stats()["spooled"] == 120)
     redis_server.start()
-    await until(written(ledger, 200))
+    await until(written(ledger, 120))
     stored = await lineage(client)
-    assert [r["request_id"] for r in stored] == [f"req-{i:04d}" for i in range(200)]
-    late = [r for r in stored if r["pending"]]
-    assert [r["seq"] for r in late] == list(range(50))
+    assert [r["request_id"] for r in stored] == [f"req-{i:04d}" for i in range(120)]
     state = head.state
-    for r in late:
+    for i, r in enumerate(stored):
+        assert r["pending"] and r["seq"] == i
         assert (r["state_before"], r["state_after"]) == (state, step(state, r["digest"]))
         state = r["state_after"]
     assert (await ledger.head("r1")).state == state
+    assert await ledger.record("req-0119") == stored[-1]
     await until(lambda: ledger.stats()["spooled"] == 0)
     assert spool.stat().st_size == 0
     await ledger.close()
@@ -90,39 +89,40 @@ async def test_outage_spools_then_drains_in_order(
 async def test_spool_survives_a_restart(
     redis_server: RedisServer, client: aioredis.Redis, tmp_path: Path
 ) -> None:
-    """Records spooled by a proxy that stopped during an outage are stored by the next one."""
+    """Steps spooled by a proxy that stopped during an outage are run by the next one."""
     spool = tmp_path / "spool.jsonl"
     first = make_ledger(client, spool)
     await first.start()
+    head = await fresh_chain(first)
+    await client.save()
     redis_server.stop()
-    records = [record(i) for i in range(30)]
-    for r in records:
-        first.submit(r)
+    for i in range(30):
+        await first.commit(record(i, generation=head.generation))
     await first.close()
     assert len(spool.read_bytes().splitlines()) == 30
     redis_server.start()
     second = make_ledger(client, spool)
     await second.start()
     await until(written(second, 30))
-    assert await lineage(client) == records
+    assert [r["seq"] for r in await lineage(client)] == list(range(30))
     await second.close()
 
 
-async def test_full_buffer_keeps_order_and_writes_once(
+async def test_full_buffer_keeps_order_and_steps_once(
     client: aioredis.Redis, tmp_path: Path
 ) -> None:
-    """A burst larger than the buffer is moved to disk, and still written once each, in order."""
+    """A burst of late steps larger than the buffer is moved to disk, and still steps once
+    each, in order."""
     ledger = make_ledger(client, tmp_path / "spool", buffer_size=8)
     await ledger.start()
-    records = [record(i) for i in range(300)]
-    for r in records[:4]:
-        ledger.submit(r)
-    await asyncio.sleep(0)  # the writer takes the first batch; the burst overflows behind it
-    for r in records[4:]:
-        ledger.submit(r)
+    head = await fresh_chain(ledger)
+    for i in range(300):
+        ledger.defer(record(i, generation=head.generation), False, tried=False)
+        if i == 3:
+            await asyncio.sleep(0)  # the writer takes the first batch; the burst overflows
     await until(written(ledger, 300))
     assert ledger.stats()["spooled_total"] > 0
-    assert await lineage(client) == records
+    assert [r["seq"] for r in await lineage(client)] == list(range(300))
     await ledger.close()
 
 
@@ -137,7 +137,7 @@ async def test_spool_disk_failure_drops_and_counts(
     redis_server.stop()
     with capture_logs() as logs:
         for i in range(10):
-            ledger.submit(record(i))
+            await ledger.commit(record(i))
         await until(lambda: ledger.stats()["dropped_total"] == 10)
     dropped = [e["request_id"] for e in logs if e["event"] == "ledger_record_dropped"]
     assert dropped == [f"req-{i:04d}" for i in range(10)]
@@ -145,39 +145,38 @@ async def test_spool_disk_failure_drops_and_counts(
 
 
 async def test_spool_resumes_at_its_marker(client: aioredis.Redis, tmp_path: Path) -> None:
-    """After a crash the next proxy writes only what was not written yet, and skips the
-    half-written line the crash left at the end."""
+    """After a crash the next proxy runs only the steps not run yet, and skips the half-written
+    line the crash left at the end."""
     spool = tmp_path / "spool.jsonl"
-    records = [record(i) for i in range(4)]
-    lines = [spool_line(r) for r in records]
+    gen = (await fresh_chain(make_ledger(client, tmp_path / "other"))).generation
+    lines = [spool_line(record(i, generation=gen)) for i in range(4)]
     spool.write_bytes(b"".join(lines) + b'{"step":null,"rec')
     (tmp_path / "spool.jsonl.done").write_text(str(len(lines[0])))
     ledger = make_ledger(client, spool)
     await ledger.start()
     await until(written(ledger, 3))
-    assert await lineage(client) == records[1:]
+    assert [r["request_id"] for r in await lineage(client)] == ["req-0001", "req-0002", "req-0003"]
     await ledger.close()
 
 
-async def test_replayed_spool_steps_the_chain_once(client: aioredis.Redis, tmp_path: Path) -> None:
-    """A spool drained twice (a crash before its marker was saved) moves the chain once, and
-    readers see each record once."""
+async def test_a_spool_drained_twice_steps_and_writes_once(
+    client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A spool drained twice (a crash before its marker was saved) moves the chain once and
+    leaves each record once in the replica's stream: exactly once, by the step keys."""
     spool = tmp_path / "spool.jsonl"
-    head = await make_ledger(client, tmp_path / "other").ensure_replica("r1", ENGINE)
-    lines = b"".join(spool_line(record(i), pending=True) for i in range(3))
+    head = await fresh_chain(make_ledger(client, tmp_path / "other"))
+    lines = b"".join(spool_line(record(i, generation=head.generation)) for i in range(3))
     for _attempt in range(2):
         spool.write_bytes(lines)
         ledger = make_ledger(client, spool)
         await ledger.start()
         await until(written(ledger, 3))
         await ledger.close()
-    assert await client.xlen("kvl:lineage") == 6
-    tail = await ledger.tail(10)
-    assert [r["request_id"] for r in tail] == ["req-0000", "req-0001", "req-0002"]
-    assert [r["seq"] for r in tail] == [0, 1, 2]
-    digests = [r["digest"] for r in tail]
-    assert tail[-1]["state_after"] == fold(head.state, digests)
-    assert await ledger.head("r1") == ChainHead("r1", 1, 3, fold(head.state, digests), ENGINE)
+    stored = await lineage(client)
+    assert [r["seq"] for r in stored] == [0, 1, 2]
+    assert stored[-1]["state_after"] == fold(head.state, [r["digest"] for r in stored])
+    assert (await ledger.head("r1")).seq == 3
 
 
 async def test_one_spool_per_process(client: aioredis.Redis, tmp_path: Path) -> None:
@@ -189,23 +188,42 @@ async def test_one_spool_per_process(client: aioredis.Redis, tmp_path: Path) -> 
     await first.close()
 
 
-async def test_retried_step_moves_the_chain_once(client: aioredis.Redis, tmp_path: Path) -> None:
-    """A step whose reply was lost and that is retried late (as a pending record) keeps its
-    first answer, and the chain moves once."""
+async def test_a_step_whose_reply_was_lost_runs_once(
+    client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A step that ran but whose reply was lost, retried later from the spool, keeps its first
+    answer: the chain moves once and the record is in the stream once."""
     ledger = make_ledger(client, tmp_path / "spool")
     await ledger.start()
-    head = await ledger.ensure_replica("r1", ENGINE)
-    rec = record(7)
-    first = await ledger.advance("r1", 1, rec["digest"], request_id=rec["request_id"])
-    assert await ledger.advance("r1", 1, rec["digest"], request_id=rec["request_id"]) == first
-    ledger.submit_pending(rec)
-    await until(written(ledger, 1))
-    stored = await ledger.record(rec["request_id"])
-    assert stored is not None and stored["pending"]
-    assert (stored["seq"], stored["state_before"], stored["state_after"]) == (
-        0,
-        head.state,
-        first.state_after,
-    )
-    assert (await ledger.head("r1")).seq == 1
+    head = await fresh_chain(ledger)
+    first = await ledger.commit(record(7, generation=head.generation))
+    late = ledger.defer(record(7, generation=head.generation), False, tried=True)
+    assert late["pending"]
+    await until(written(ledger, 2))
+    assert [r["request_id"] for r in await lineage(client)] == ["req-0007"]
+    assert (await ledger.head("r1")).state == first["state_after"]
     await ledger.close()
+
+
+async def test_a_retry_too_late_to_be_sure_moves_to_an_unknown_state(
+    client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """A step sent without an answer longer ago than steps are remembered cannot know whether
+    it ran: the chain moves to an unknown state and the record says unordered."""
+    ledger = make_ledger(client, tmp_path / "spool")
+    await ledger.start()
+    head = await fresh_chain(ledger)
+    rec = {**record(1, generation=head.generation), "pending": True}
+    long_ago = int(time.time() * 1000) - 2 * 3600 * 1000
+    stale_step = Step("r1", head.generation, rec["digest"], False, long_ago)
+    ledger._writer.put(job_from_record(rec, orjson.dumps(rec), stale_step))
+    await until(written(ledger, 1))
+    (stored,) = await lineage(client)
+    assert stored["unordered"] and stored["state_after"] != step(head.state, rec["digest"])
+    assert not (await ledger.head("r1")).known
+    await ledger.close()
+
+
+def test_engine_digest_is_the_ledgers_engine() -> None:
+    """The helpers' records carry the engine the chains are made for."""
+    assert record(1)["engine_digest"] == ENGINE

@@ -1,8 +1,10 @@
-"""runs diff: aligning two eval runs and deciding whether cache state explains a divergence."""
+"""runs diff: aligning two eval runs and classifying each first divergence, falsifiably."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
 
 from router.eval.diff import EpisodeDiff, RunDiff, diff_runs, render_table
 
@@ -13,6 +15,8 @@ def rec(
     n: int,
     *,
     state: str | None = "s0",
+    known: bool = True,
+    reused: int = 2,
     prompt: str = "p",
     params: str = "k",
     output: str = "o",
@@ -25,6 +29,9 @@ def rec(
         "seq": n,
         "episode": episode,
         "state_before": state,
+        "state_known": known,
+        "reused_blocks": reused,
+        "cached_tokens": reused * 16,
         "prompt_digest": f"{prompt}-{episode}-{n}",
         "params_digest": params,
         "output_digest": f"{output}-{episode}-{n}",
@@ -52,36 +59,49 @@ def test_identical_runs_have_no_divergence() -> None:
     diff = diff_runs("A", a, "B", b)
     assert diff.aligned_by == "episode"
     assert (diff.identical, diff.diverged) == (2, 0)
-    assert all(e.position is None and e.explained is None for e in diff.episodes)
+    assert all(e.position is None and e.cause is None for e in diff.episodes)
 
 
-def test_output_difference_on_different_state_is_explained() -> None:
-    """Same request, different output, different state_before: explained by cache state."""
+def test_different_reuse_is_the_first_suspect() -> None:
+    """Same request, different output, a different number of reused blocks: reuse differed."""
     a = episode("A", "e1", 3)
-    b = episode("B", "e1", 3, {1: {"output": "x", "state": "s9"}})
+    b = episode("B", "e1", 3, {1: {"output": "x", "state": "s9", "reused": 5}})
     e = only(diff_runs("A", a, "B", b))
-    assert (e.position, e.kind, e.explained) == (1, "output", True)
+    assert (e.position, e.kind, e.cause) == (1, "output", "reuse")
     assert (e.request_a, e.request_b) == ("A-e1-1", "B-e1-1")
-    assert (e.state_a, e.state_b) == ("s0", "s9")
+    assert (e.state_a, e.state_b, e.reused_a, e.reused_b) == ("s0", "s9", 2, 5)
 
 
-def test_output_difference_on_equal_state_is_unexplained() -> None:
-    """Same request, same state_before, different output: unexplained."""
+def test_equal_reuse_from_different_states_says_state() -> None:
+    """Equal reuse but different states: the reused blocks held different contents."""
+    a = episode("A", "e1", 2)
+    b = episode("B", "e1", 2, {1: {"output": "x", "state": "s9"}})
+    diff = diff_runs("A", a, "B", b)
+    assert only(diff).cause == "state"
+    assert diff.counts()["state"] == 1 and diff.counts()["reuse"] == 0
+
+
+def test_output_difference_on_equal_state_and_reuse_is_unexplained() -> None:
+    """Same request, same state, same reuse, different output: not the cache."""
     a = episode("A", "e1", 2)
     b = episode("B", "e1", 2, {0: {"output": "x"}})
     diff = diff_runs("A", a, "B", b)
     e = only(diff)
-    assert (e.position, e.kind, e.explained) == (0, "output", False)
-    assert (diff.explained, diff.unexplained, diff.unknown) == (0, 1, 0)
+    assert (e.position, e.kind, e.cause) == (0, "output", "unexplained")
+    assert [diff.caused(c) for c in ("reuse", "state", "unexplained", "unknown")] == [0, 0, 1, 0]
 
 
-def test_output_difference_with_unknown_state_is_unknown() -> None:
-    """A missing state_before on either side leaves the cause unknown."""
-    a = episode("A", "e1", 2, {1: {"state": None}})
+@pytest.mark.parametrize(
+    "override", [{"state": None}, {"known": False}, {"known": False, "reused": 9}]
+)
+def test_a_divergence_from_an_unknown_state_is_never_classified(override: dict[str, Any]) -> None:
+    """A missing or unknown state on either side leaves the cause unknown, whatever else
+    differs: the ledger cannot say what the cache held."""
+    a = episode("A", "e1", 2, {1: override})
     b = episode("B", "e1", 2, {1: {"output": "x", "state": "s9"}})
     diff = diff_runs("A", a, "B", b)
-    assert (only(diff).kind, only(diff).explained) == ("output", None)
-    assert diff.unknown == 1
+    assert (only(diff).kind, only(diff).cause) == ("output", "unknown")
+    assert diff.caused("unknown") == 1
 
 
 def test_interleaved_episodes_align_by_episode() -> None:
@@ -123,8 +143,8 @@ def test_prompt_difference_is_input() -> None:
     a = episode("A", "e1", 2)
     b = episode("B", "e1", 2, {1: {"prompt": "q", "output": "x", "state": "s9"}})
     diff = diff_runs("A", a, "B", b)
-    assert (only(diff).kind, only(diff).explained) == ("input", None)
-    assert (diff.explained, diff.other) == (0, 1)
+    assert (only(diff).kind, only(diff).cause) == ("input", None)
+    assert (diff.caused("state"), diff.other) == (0, 1)
 
 
 def test_params_difference_is_input() -> None:
@@ -139,7 +159,7 @@ def test_cancelled_against_ok_is_status() -> None:
     a = episode("A", "e1", 2)
     b = episode("B", "e1", 2, {0: {"status": "cancelled", "output": "x"}})
     e = only(diff_runs("A", a, "B", b))
-    assert (e.position, e.kind, e.explained) == (0, "status", None)
+    assert (e.position, e.kind, e.cause) == (0, "status", None)
 
 
 def test_same_failure_on_both_sides_is_not_a_difference() -> None:
@@ -173,11 +193,11 @@ def test_episode_in_one_run_only_is_missing_and_ordered_last() -> None:
 
 
 def test_only_the_first_difference_is_reported() -> None:
-    """A later unexplained difference does not override an earlier explained one."""
+    """A later unexplained difference does not override an earlier classified one."""
     a = episode("A", "e1", 4)
     b = episode("B", "e1", 4, {1: {"output": "x", "state": "s9"}, 3: {"output": "y"}})
     e = only(diff_runs("A", a, "B", b))
-    assert (e.position, e.kind, e.explained) == (1, "output", True)
+    assert (e.position, e.kind, e.cause) == (1, "output", "state")
 
 
 def test_summary_and_json_counts() -> None:
@@ -188,8 +208,8 @@ def test_summary_and_json_counts() -> None:
     b += episode("B", "e3", 1, {0: {"output": "x"}}) + episode("B", "e4", 2)
     diff = diff_runs("A", a, "B", b)
     assert diff.summary() == (
-        "4 episodes: 1 identical, 3 diverged"
-        " (1 explained by cache state, 1 unexplained, 0 unknown, 1 other)"
+        "4 episodes: 1 identical, 3 diverged (0 reuse differed, 1 state differed with equal"
+        " reuse, 1 unexplained, 0 from an unknown state, 1 other)"
     )
     doc = diff.to_json()
     assert (doc["run_a"], doc["run_b"], doc["aligned_by"]) == ("A", "B", "episode")
@@ -197,13 +217,14 @@ def test_summary_and_json_counts() -> None:
         "episodes": 4,
         "identical": 1,
         "diverged": 3,
-        "explained": 1,
+        "reuse": 0,
+        "state": 1,
         "unexplained": 1,
         "unknown": 0,
         "other": 1,
     }
     assert doc["episodes"][2]["kind"] == "output"
-    assert doc["episodes"][2]["explained"] is False
+    assert doc["episodes"][2]["cause"] == "unexplained"
     assert set(doc["episodes"][0]) == set(EpisodeDiff.__dataclass_fields__)
 
 
@@ -216,7 +237,8 @@ def test_table_lists_diverged_episodes_only_by_default() -> None:
     lines = render_table(diff)
     assert lines[0] == "run A: run-a   run B: run-b   aligned by episode"
     assert lines[1].split("  ")[:4] == ["episode", "requests", "first diff", "kind"]
-    assert lines[2].split() == ["ep-bad", "2/2", "1", "output", "UNEXPLAINED", long[:12], long[:12]]
+    row = ["ep-bad", "2/2", "1", "output", "UNEXPLAINED", "2/2", long[:12], long[:12]]
+    assert lines[2].split() == row
     assert lines[1].index("cause") == lines[2].index("UNEXPLAINED")
     assert lines[-1] == diff.summary()
     assert len(lines) == 4
@@ -228,6 +250,6 @@ def test_table_without_divergence_is_header_and_summary() -> None:
     diff = diff_runs("A", episode("A", "e1", 1), "B", episode("B", "e1", 1))
     assert render_table(diff) == [
         "run A: A   run B: B   aligned by episode",
-        "1 episodes: 1 identical, 0 diverged"
-        " (0 explained by cache state, 0 unexplained, 0 unknown, 0 other)",
+        "1 episodes: 1 identical, 0 diverged (0 reuse differed, 0 state differed with equal"
+        " reuse, 0 unexplained, 0 from an unknown state, 0 other)",
     ]

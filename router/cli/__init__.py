@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from router.cli import keys, lineage, replica, replicas, runs, serve, up
+from router.cli import audit, keys, lineage, replica, replicas, runs, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.register(commands)
     lineage.register(commands)
     runs.register(commands)
+    audit.register(commands)
     return parser
 
 

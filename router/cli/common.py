@@ -13,7 +13,7 @@ import functools
 import os
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -176,6 +176,14 @@ class AdminApi:
 
     def call(self, method: str, path: str, body: Any = None, timeout_s: float = 10) -> Any:
         """The JSON answer, or a CliError that says in one line what went wrong."""
+        lines = list(self.stream(method, path, body, timeout_s, whole=True))
+        return lines[0]
+
+    def stream(
+        self, method: str, path: str, body: Any = None, timeout_s: float = 10, whole: bool = False
+    ) -> Iterator[Any]:
+        """The answer's JSON lines as they arrive (``whole``: the body is one JSON document);
+        a CliError says in one line what went wrong."""
         import http.client
         import urllib.error
         import urllib.request
@@ -193,14 +201,21 @@ class AdminApi:
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                body = response.read()
+                if whole:
+                    yield self._json(response.read())
+                    return
+                for line in response:
+                    if line.strip():
+                        yield self._json(line)
         except urllib.error.HTTPError as exc:
             raise CliError(self._refused(exc.code, exc.read())) from None
         except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
             raise CliError(f"proxy not reachable at {self.url}: {reason}") from None
+
+    def _json(self, data: bytes) -> Any:
         try:
-            return orjson.loads(body)
+            return orjson.loads(data)
         except orjson.JSONDecodeError:
             raise CliError(
                 f"{self.url} did not answer with JSON; is it a kvledger proxy?"

@@ -1,4 +1,4 @@
-"""``kvledger runs begin|list|show|end|diff`` and ``kvledger snapshots save|list|show|delete``.
+"""``kvledger runs begin|list|show|end|diff|explain``, ``kvledger snapshots save|list|show|delete``.
 
 Beginning and ending runs and saving snapshots need a proxy (it leases, resets and replays),
 so those go through the admin API; ``runs diff`` reads the two runs' records from Redis.
@@ -15,6 +15,7 @@ from urllib.parse import quote, urlencode
 
 import orjson
 
+from router.cli import explain
 from router.cli.common import (
     AdminApi,
     CliError,
@@ -33,7 +34,7 @@ LONG_S = 900.0  # a begin waits for in-flight requests, a reload and maybe a rep
 
 
 def register(commands: Any) -> None:
-    runs = commands.add_parser("runs", help="eval runs: begin, list, show, end, diff")
+    runs = commands.add_parser("runs", help="eval runs: begin, list, show, end, diff, explain")
     actions = runs.add_subparsers(dest="action", required=True, metavar="ACTION")
     begin = actions.add_parser("begin", help="begin a run of an eval arm (ends its current run)")
     begin.add_argument("arm", help="the eval key's name")
@@ -49,7 +50,7 @@ def register(commands: Any) -> None:
         add_admin_options(parser)
         parser.set_defaults(run=run)
     diff = actions.add_parser(
-        "diff", help="where two runs' outputs first differ, and whether cache state explains it"
+        "diff", help="where two runs' outputs first differ, and what the ledger says of why"
     )
     diff.add_argument("run_a")
     diff.add_argument("run_b")
@@ -57,6 +58,7 @@ def register(commands: Any) -> None:
     diff.add_argument("--all", action="store_true", help="list identical episodes too")
     add_redis_options(diff)
     diff.set_defaults(run=run_diff)
+    explain.register(actions)
     _register_snapshots(commands)
 
 

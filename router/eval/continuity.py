@@ -49,6 +49,20 @@ async def counted(replica: ReplicaState, before: int, wait_s: float) -> int:
     return after
 
 
+async def settled(replica: ReplicaState, wait_s: float = 1.0) -> int:
+    """The counter once it stops moving: a request that just finished is counted by Triton a
+    moment after its last response, so an idle replica's first reading may still be short."""
+    count = await replica.backend.request_count()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        again = await replica.backend.request_count()
+        if again == count:
+            return count
+        count = again
+    return count
+
+
 def verdict(replica: str, run: str, before: Before, after: int) -> tuple[bool, str | None]:
     """``verified`` and the record's warning for a request that saw ``before`` and ``after``."""
     if before.warning is not None:

@@ -1,13 +1,22 @@
-"""Compare two eval runs request by request and say whether cache state explains a divergence.
+"""Compare two eval runs request by request, and classify each first divergence falsifiably.
 
 Alignment: when every record of both runs carries a non-empty ``episode``, requests are grouped
 by episode and compared position by position inside each episode, so the runs may interleave
 their episodes differently. Otherwise each run is treated as one sequence labelled ``-``.
 
 Per episode the first differing position is reported. If the clients sent the same prompt and
-params and got different outputs, the cache states the two requests were admitted on decide:
-different states explain the divergence (prefix reuse changed the numerics); equal states leave
-it UNEXPLAINED (same input, same cache, different output); an unknown state leaves it unknown.
+params and got different outputs, the two records say why, by a rule that can come out either
+way (in a rerun on a warm cache the states differ by construction, so "the states differ" alone
+would explain everything and prove nothing):
+
+- ``unknown``: either request's cache state is unknown (a replica first seen warm, a chain that
+  lost its order, a stale step): the ledger cannot say;
+- ``reuse``: the engine reused a different number of KV blocks (or cached tokens) for the two
+  requests: the computation itself differed, the reuse path's numerics are the suspect;
+- ``state``: equal reuse, different cache states: the reused blocks held different contents;
+- ``unexplained``: same input, same state, same reuse, different output: not the cache.
+
+``kvledger runs explain`` turns a ``reuse`` or ``state`` classification into a proof by replay.
 Later positions are not compared: after one difference the conversations may legitimately fork.
 """
 
@@ -31,11 +40,16 @@ class EpisodeDiff:
     requests_b: int
     position: int | None
     kind: str
-    explained: bool | None
+    cause: str | None  # reuse, state, unexplained or unknown; None unless kind is "output"
     request_a: str | None
     request_b: str | None
     state_a: str | None
     state_b: str | None
+    reused_a: int | None = None
+    reused_b: int | None = None
+
+
+CAUSES = ("reuse", "state", "unexplained", "unknown")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,40 +68,27 @@ class RunDiff:
         return len(self.episodes) - self.identical
 
     @property
-    def explained(self) -> int:
-        return self._outputs(True)
-
-    @property
-    def unexplained(self) -> int:
-        return self._outputs(False)
-
-    @property
-    def unknown(self) -> int:
-        return self._outputs(None)
-
-    @property
     def other(self) -> int:
         return sum(1 for e in self.episodes if e.kind not in ("identical", "output"))
 
-    def _outputs(self, explained: bool | None) -> int:
-        return sum(1 for e in self.episodes if e.kind == "output" and e.explained is explained)
+    def caused(self, cause: str) -> int:
+        return sum(1 for e in self.episodes if e.kind == "output" and e.cause == cause)
 
     def counts(self) -> dict[str, int]:
         return {
             "episodes": len(self.episodes),
             "identical": self.identical,
             "diverged": self.diverged,
-            "explained": self.explained,
-            "unexplained": self.unexplained,
-            "unknown": self.unknown,
+            **{cause: self.caused(cause) for cause in CAUSES},
             "other": self.other,
         }
 
     def summary(self) -> str:
         return (
             f"{len(self.episodes)} episodes: {self.identical} identical, {self.diverged} diverged"
-            f" ({self.explained} explained by cache state, {self.unexplained} unexplained,"
-            f" {self.unknown} unknown, {self.other} other)"
+            f" ({self.caused('reuse')} reuse differed, {self.caused('state')} state differed with"
+            f" equal reuse, {self.caused('unexplained')} unexplained,"
+            f" {self.caused('unknown')} from an unknown state, {self.other} other)"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -135,6 +136,22 @@ def _diff_episode(name: str, a: list[Record] | None, b: list[Record] | None) -> 
     return EpisodeDiff(name, len(a), len(b), None, "identical", None, None, None, None, None)
 
 
+def cause(a: Record, b: Record) -> str:
+    """Why two requests with the same input gave different outputs (see the module docstring)."""
+    for r in (a, b):
+        known = r.get("state_known", True) is not False
+        if r.get("state_before") is None or not known or r.get("stale") or r.get("unordered"):
+            return "unknown"
+    if (a.get("reused_blocks"), a.get("cached_tokens")) != (
+        b.get("reused_blocks"),
+        b.get("cached_tokens"),
+    ):
+        return "reuse"
+    if a.get("state_before") != b.get("state_before"):
+        return "state"
+    return "unexplained"
+
+
 def _compare(a: Record, b: Record) -> str | None:
     """The kind of difference between two aligned requests, None when they count as the same."""
     # Different inputs come first: whatever else differs, the clients asked different things.
@@ -155,22 +172,20 @@ def _compare(a: Record, b: Record) -> str | None:
 def _at(name: str, a: list[Record], b: list[Record], position: int, kind: str) -> EpisodeDiff:
     ra = a[position] if position < len(a) else None
     rb = b[position] if position < len(b) else None
-    state_a = _field(ra, "state_before")
-    state_b = _field(rb, "state_before")
-    explained = None
-    if kind == "output" and state_a is not None and state_b is not None:
-        explained = state_a != state_b
+    why = cause(ra, rb) if kind == "output" and ra is not None and rb is not None else None
     return EpisodeDiff(
         episode=name,
         requests_a=len(a),
         requests_b=len(b),
         position=position,
         kind=kind,
-        explained=explained,
+        cause=why,
         request_a=_field(ra, "request_id"),
         request_b=_field(rb, "request_id"),
-        state_a=state_a,
-        state_b=state_b,
+        state_a=_field(ra, "state_before"),
+        state_b=_field(rb, "state_before"),
+        reused_a=None if ra is None else ra.get("reused_blocks"),
+        reused_b=None if rb is None else rb.get("reused_blocks"),
     )
 
 
@@ -179,7 +194,22 @@ def _field(record: Record | None, key: str) -> str | None:
     return None if value is None else str(value)
 
 
-COLUMNS = ("episode", "requests", "first diff", "kind", "cause", "state A", "state B")
+COLUMNS = (
+    "episode",
+    "requests",
+    "first diff",
+    "kind",
+    "cause",
+    "reused A/B",
+    "state A",
+    "state B",
+)
+CAUSE_LABELS = {
+    "reuse": "reuse differed",
+    "state": "state differed",
+    "unexplained": "UNEXPLAINED",
+    "unknown": "unknown state",
+}
 
 
 def render_table(diff: RunDiff, *, all_episodes: bool = False) -> list[str]:
@@ -202,15 +232,8 @@ def _row(e: EpisodeDiff) -> list[str]:
         f"{e.requests_a}/{e.requests_b}",
         "-" if e.position is None else str(e.position),
         e.kind,
-        _cause(e),
+        "-" if e.cause is None else CAUSE_LABELS[e.cause],
+        "-" if e.kind != "output" else f"{e.reused_a}/{e.reused_b}",
         "-" if e.state_a is None else e.state_a[:12],
         "-" if e.state_b is None else e.state_b[:12],
     ]
-
-
-def _cause(e: EpisodeDiff) -> str:
-    if e.kind != "output":
-        return "-"
-    if e.explained is None:
-        return "unknown"
-    return "cache state" if e.explained else "UNEXPLAINED"

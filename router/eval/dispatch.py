@@ -1,9 +1,13 @@
 """Eval requests: the arm's run, its leased replica, one request at a time, each verified.
 
 A request of an eval key finds its arm's run (``runs``), waits for its turn on the run's leased
-replica (``turns``), checks the replica's request counter (``continuity``), runs, and advances
-the chain under its fence token, so the chain order is the cache's order. Eval requests fail
-closed: no Redis, no run, 503.
+replica (``turns``), checks that the run still holds its lease and reads the replica's request
+counter (``continuity``), runs while a keeper renews the turn, the lease and the arm's pointer,
+and advances the chain under its fence token, so the chain order is the cache's order. A run
+that loses its lease or its turn, or whose chain step had to wait for Redis, is *broken*: the
+request's record says so (``exact: false``, ``verified: false``, the reason in ``warning``) and
+the run's later requests answer 503 with the reason. Eval requests fail closed: no Redis, no
+run, 503.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from router.dispatch import account, translate
 from router.errors import BadRequest, KvlError, Unavailable
 from router.eval import continuity
 from router.eval.runs import Meta, Runs
-from router.eval.turns import TurnKeeper
+from router.eval.turns import Keeping, TurnKeeper
 from router.fleet import Fleet, ReplicaState
 from router.flight import Flight, Parsed, take_off
 from router.ledger import Ledger, LedgerError
+from router.ledger.core import Fence
 from router.ledger.records import Admission, Outcome, Principal, make_record
 from router.ledger.turns import Turn, Turns
 from router.metrics import Metrics
@@ -40,7 +45,7 @@ class EvalTurn:
     run: Meta
     turn: Turn
     before: continuity.Before
-    renewing: asyncio.Task[None]
+    keeping: Keeping
     count_after: int = -1
 
 
@@ -64,7 +69,7 @@ class EvalDispatcher:
         self.fleet, self.ledger, self.runs, self.turns = fleet, ledger, runs, turns
         self.settings = settings
         self.metrics = metrics
-        self.keeper = TurnKeeper(turns, settings)
+        self.keeper = TurnKeeper(turns, runs.store, settings)
 
     async def open(self, parsed: Parsed, principal: Principal) -> Flight:
         structlog.contextvars.bind_contextvars(
@@ -73,19 +78,7 @@ class EvalDispatcher:
         assert principal.profile is not None  # authenticate() sets it for eval keys
         try:
             run = await self.runs.for_request(principal.profile, parsed.model)
-            if parsed.model != run["model"]:
-                raise BadRequest(
-                    f"run {run['id']} serves model '{run['model']}'; end it or begin a new run"
-                    f" to use '{parsed.model}'",
-                    param="model",
-                )
-            if run["replica"] not in self.fleet:
-                raise Unavailable(
-                    f"run {run['id']} holds replica {run['replica']}, which this proxy instance"
-                    " is not configured with; send its requests to one that is",
-                    headers=_RETRY,
-                )
-            replica = self.fleet[run["replica"]]
+            replica = self._replica(parsed, run)
             turn = await self.keeper.acquire(replica.id, run["id"])
         except LedgerError as exc:
             raise _no_redis(exc) from exc
@@ -97,6 +90,21 @@ class EvalDispatcher:
                 raise _no_redis(exc) from exc
             raise
 
+    def _replica(self, parsed: Parsed, run: Meta) -> ReplicaState:
+        if parsed.model != run["model"]:
+            raise BadRequest(
+                f"run {run['id']} serves model '{run['model']}'; end it or begin a new run"
+                f" to use '{parsed.model}'",
+                param="model",
+            )
+        if run["replica"] not in self.fleet:
+            raise Unavailable(
+                f"run {run['id']} holds replica {run['replica']}, which this proxy instance"
+                " is not configured with; send its requests to one that is",
+                headers=_RETRY,
+            )
+        return self.fleet[run["replica"]]
+
     async def _start(
         self,
         parsed: Parsed,
@@ -107,21 +115,33 @@ class EvalDispatcher:
     ) -> Flight:
         # The run may have failed or ended while this request waited for its turn.
         run = await self.runs.still_live(turn_run, principal.name)
+        await self._check_lease(run, replica)
+        # Hold turn, lease and arm pointer from here on: a long prefill must not outlive them.
+        hold_ms = int(float(run["idle_timeout_s"]) * 1000)
+        keeping = self.keeper.keep(turn, run["id"], run["arm"], hold_ms)
+        try:
+            flight = await self._take_off(parsed, principal, replica, turn, run)
+        except BaseException:
+            keeping.stop()
+            raise
+        flight.context.keeping = keeping
+        return flight
+
+    async def _take_off(
+        self, parsed: Parsed, principal: Principal, replica: ReplicaState, turn: Turn, run: Meta
+    ) -> Flight:
         head = await self.ledger.head(replica.id)
         before = continuity.admitted(turn, run["id"], replica.id, await self._count(replica, run))
         admission = Admission(
             replica.id,
             head.generation,
-            head.seq,
-            head.state,
             head.engine_digest,
-            False,
             run=run["id"],
             warning=before.warning,
+            seq=head.seq,
+            state=head.state,
         )
         decision = Decision(replica.id, "eval", run.get("choice", ""), (replica.id,))
-        done: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
-        done.set_result(admission)
         try:
             flight = await take_off(
                 self,
@@ -129,13 +149,24 @@ class EvalDispatcher:
                 principal,
                 replica,
                 decision,
-                done,
+                admission,
                 failure=lambda m: Unavailable(f"run {run['id']}: {m}"),
             )
         except BaseException as exc:
             raise await self._first_failed(run, replica, exc) from exc
-        flight.context = EvalTurn(run, turn, before, self.keeper.keep(turn))
+        flight.context = EvalTurn(run, turn, before, Keeping())
         return flight
+
+    async def _check_lease(self, run: Meta, replica: ReplicaState) -> None:
+        holder = (await self.turns.marks([replica.id]))[replica.id][0]
+        if holder != run["id"]:
+            reason = f"lost its lease on replica {replica.id} (now held by {holder or 'nobody'})"
+            await self.runs.fail(run["id"], reason, status="broken")
+            raise Unavailable(
+                f"run {run['id']} broken: {reason}; begin a new run"
+                f" (kvledger runs begin {run['arm']})",
+                headers={"Retry-After": "5", "X-Kvl-Run": run["id"]},
+            )
 
     async def _first_failed(
         self, run: Meta, replica: ReplicaState, exc: BaseException
@@ -168,16 +199,12 @@ class EvalDispatcher:
 
     async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]:
         ctx: EvalTurn = flight.context
-        admission = await flight.admission()
-        record = make_record(flight.record_input(admission), outcome)
+        ctx.keeping.stop()
+        record = make_record(flight.record_input(), outcome)
         try:
             await self._verify(flight, ctx, record, outcome)
-            await self._commit(flight, ctx, record)
-        except LedgerError as exc:
-            record.update(verified=False, warning=f"Redis unreachable; chain step deferred: {exc}")
-            self.ledger.submit_pending(record)
+            record = await self._commit(flight, ctx, record)
         finally:
-            ctx.renewing.cancel()
             await self.keeper.release(ctx.turn)
         account(self.metrics, flight.replica, record, outcome)
         return record
@@ -192,19 +219,43 @@ class EvalDispatcher:
         record["verified"], record["warning"] = continuity.verdict(
             replica.id, run, ctx.before, ctx.count_after
         )
+        if ctx.keeping.lost is not None:
+            record.update(verified=False, warning=f"run broken: {ctx.keeping.lost}")
         if outcome.status == "error" and not await replica.backend.ready():
             await self.runs.fail(run, f"replica {replica.id} failed mid-run")
 
-    async def _commit(self, flight: Flight, ctx: EvalTurn, record: dict[str, Any]) -> None:
+    async def _commit(
+        self, flight: Flight, ctx: EvalTurn, record: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The fenced chain step with the record; a run whose order broke is marked broken."""
         run = ctx.run
-        step = await self.turns.fenced_advance(
-            ctx.turn, record["generation"], record["digest"], run["id"], ctx.count_after
-        )
-        if step is None:
-            record.update(exact=False, verified=False, warning="lost the run's turn (expired)")
+        fence = Fence(ctx.turn.token, run["id"], ctx.count_after)
+        try:
+            exact = ctx.keeping.lost is None
+            record = await self.ledger.fenced_commit(record, fence, exact=exact)
+        except LedgerError as exc:
+            reason = f"its chain step had to wait for Redis ({exc})"
+            record.update(verified=False, warning=f"run broken: {reason}")
+            await self.runs.fail(run["id"], reason, status="broken")
+            return self.ledger.defer(record, False, tried=True)
+        broken = ctx.keeping.lost
+        if record["unordered"]:
+            broken = "lost the run's turn (it expired): the chain order is no longer the cache's"
+            record.update(verified=False, warning=f"run broken: {broken}")
             _log.error("eval_turn_lost", run=run["id"], replica=flight.replica.id)
-        else:
-            record.update(state_after=step.state_after, exact=not step.stale)
+        if broken is not None:
+            await self.runs.fail(run["id"], broken, status="broken")
+            return record
+        try:
+            await self._remember(flight, run, record)
+        except LedgerError as exc:
+            reason = f"its request's input could not be kept ({exc})"
+            await self.runs.fail(run["id"], reason, status="broken")
+        return record
+
+    async def _remember(self, flight: Flight, run: Meta, record: dict[str, Any]) -> None:
+        """Keep the request's input (for snapshots and explain) and hold the run for another
+        idle timeout."""
         request = flight.parsed.request
         await self.runs.store.add_request(
             run["id"],
@@ -221,7 +272,8 @@ class EvalDispatcher:
                 "verified": record["verified"],
             },
         )
-        self.ledger.submit(record)
         idle_ms = int(float(run["idle_timeout_s"]) * 1000)
-        await self.runs.store.touch(run["arm"], run["id"], idle_ms)
-        await self.turns.renew_lease(flight.replica.id, run["id"], idle_ms)
+        held = await self.runs.store.touch(run["arm"], run["id"], idle_ms)
+        held = held and await self.turns.renew_lease(flight.replica.id, run["id"], idle_ms)
+        if not held:
+            await self.runs.fail(run["id"], "lost its lease or its arm pointer", status="broken")

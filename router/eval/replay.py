@@ -15,7 +15,6 @@ from backends.base import BackendError, EngineStats, GenerationRequest
 from router.eval.reset import ResetFailed
 from router.fleet import ReplicaState
 from router.ledger import ChainHead, Ledger
-from router.ledger.chain import request_digest
 from router.ledger.records import Admission, Outcome, Principal, RecordInput, make_record
 
 
@@ -30,6 +29,44 @@ async def generate(replica: ReplicaState, request: GenerationRequest) -> tuple[s
     return "".join(pieces), stats
 
 
+async def serve_one(
+    ledger: Ledger,
+    replica: ReplicaState,
+    run: str,
+    arm: str,
+    entry: dict[str, Any],
+    request_id: str,
+    reason: str,
+) -> dict[str, Any]:
+    """Serve one stored request (model, prompt, params) on ``replica`` as part of ``run``,
+    stepping the chain; its record (policy ``replay``). ResetFailed when it cannot."""
+    request = GenerationRequest.from_sampling(
+        request_id, str(entry["prompt"]), dict(entry["params"])
+    )
+    head = await ledger.head(replica.id)
+    started = time.perf_counter()
+    try:
+        output, stats = await generate(replica, request)
+    except BackendError as exc:
+        raise ResetFailed(f"{reason}: {exc}") from exc
+    latency = time.perf_counter() - started
+    parts = RecordInput(
+        request=request,
+        model=str(entry["model"]),
+        episode=None,
+        principal=Principal(arm, "eval"),
+        policy="replay",
+        reason=reason,
+        tokens_per_block=replica.settings.tokens_per_block,
+        admission=Admission(replica.id, head.generation, head.engine_digest, run=run),
+    )
+    record = make_record(parts, Outcome("ok", output, stats, latency, latency))
+    record = await ledger.commit(record, exact=True)
+    if record["pending"] or record["stale"]:
+        raise ResetFailed(f"{reason}: its chain step could not run")
+    return record
+
+
 async def replay(
     ledger: Ledger,
     replica: ReplicaState,
@@ -41,44 +78,9 @@ async def replay(
     label: str,
 ) -> ChainHead:
     """Serve ``requests`` in order; the replica's head after them (checked if ``expected``)."""
-    head = await ledger.head(replica.id)
-    principal = Principal(arm, "eval")
     for i, entry in enumerate(requests, 1):
-        request = GenerationRequest.from_sampling(
-            f"{run}.replay.{i}", str(entry["prompt"]), dict(entry["params"])
-        )
-        started = time.perf_counter()
-        try:
-            output, stats = await generate(replica, request)
-        except BackendError as exc:
-            raise ResetFailed(f"replaying {label}, request {i}: {exc}") from exc
-        latency = time.perf_counter() - started
-        digest = request_digest(str(entry["model"]), request.prompt, request.sampling(), output)
-        step = await ledger.advance(
-            replica.id, head.generation, digest, request_id=request.request_id
-        )
-        admission = Admission(
-            replica.id,
-            step.generation,
-            step.seq - 1,
-            step.state_before,
-            head.engine_digest,
-            False,
-            run=run,
-        )
-        parts = RecordInput(
-            request=request,
-            model=str(entry["model"]),
-            episode=None,
-            principal=principal,
-            policy="replay",
-            reason=f"{label}, request {i} of {len(requests)}",
-            tokens_per_block=replica.settings.tokens_per_block,
-            admission=admission,
-        )
-        record = make_record(parts, Outcome("ok", output, stats, latency, latency))
-        record.update(state_after=step.state_after, exact=not step.stale, verified=None)
-        ledger.submit(record)
+        reason = f"{label}, request {i} of {len(requests)}"
+        await serve_one(ledger, replica, run, arm, entry, f"{run}.replay.{i}", reason)
     final = await ledger.head(replica.id)
     if expected is not None and final.state != expected:
         raise ResetFailed(

@@ -1,25 +1,33 @@
 """The verified reset (DESIGN.md §5): the only way to empty a TensorRT-LLM replica's KV cache.
 
-Steps: stop admitting (locally at once; other proxies see the Redis mark within one monitor
-interval, which is why the wait lasts at least ``settle_s``), wait until the replica holds no
-request from anyone (the engine's active-request gauge, so other proxies' and direct clients'
-requests count too), unload with dependents and load through the repository API, wait until
-ready, confirm that the model's request counter restarted at zero, then raise the generation:
-seq 0, state genesis, and a ``kvl:generations`` entry with the reason and the durations.
+Steps: mark the reset in Redis (its owner, with a heartbeat; other proxies stop admitting within
+one monitor interval, which is why the wait lasts at least ``settle_s``), wait until the replica
+holds no request from anyone (the engine's active-request gauge, so other proxies' and direct
+clients' requests count too), unload with dependents and load through the repository API, wait
+until ready, confirm that the request counter restarted at zero and the engine holds no block,
+then raise the generation: seq 0, state genesis, and a ``kvl:generations`` entry with the
+reason and the durations. A model that is not loaded at all (a reset interrupted earlier) is
+simply loaded.
+
+Crash safety: the mark expires within seconds of its owner's death (no heartbeat), while the
+reset's intent stays; any proxy's monitor then takes the reset over (:meth:`Resetter.recover`):
+it loads the model if it is not ready, starts a new generation (genesis only if the cache is
+proven empty) and fails the run the reset was for, with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import structlog
 
-from backends.base import BackendError
+from backends.base import BackendError, ReplicaCounters
+from router.eval.heartbeat import heartbeat
 from router.fleet import ReplicaState
-from router.ledger import Ledger, LedgerError
+from router.ledger import ChainHead, Ledger, LedgerError
 from router.ledger.turns import Turns
 
 _log = structlog.get_logger("kvledger.reset")
@@ -51,16 +59,22 @@ class ResetReport:
         }
 
 
+def empty(counters: ReplicaCounters) -> bool:
+    """Proven empty: no request since the model was loaded, and no block in the engine."""
+    return counters.ready and counters.request_count == 0 and counters.used_blocks == 0
+
+
 async def wait_idle(replica: ReplicaState, settle_s: float, timeout_s: float) -> float:
-    """Seconds until nothing runs on the replica (and at least ``settle_s``), or ResetFailed."""
+    """Seconds until nothing runs on the replica (and at least ``settle_s``), or ResetFailed.
+    A server whose model is not loaded runs nothing: it is idle at once."""
     began = time.monotonic()
     while True:
         try:
             counters = await replica.backend.counters()
+            if not counters.ready and await replica.backend.model_state() != "READY":
+                return time.monotonic() - began
         except BackendError as exc:
             raise ResetFailed(f"replica {replica.id} did not answer: {exc.detail}") from exc
-        if not counters.ready:
-            raise ResetFailed(f"replica {replica.id} is not ready")
         busy = replica.in_flight + int(counters.active)
         waited = time.monotonic() - began
         if busy == 0 and waited >= settle_s:
@@ -72,63 +86,162 @@ async def wait_idle(replica: ReplicaState, settle_s: float, timeout_s: float) ->
         await asyncio.sleep(0.05)
 
 
-async def verified_reset(
-    replica: ReplicaState,
-    ledger: Ledger,
-    turns: Turns,
-    *,
-    reason: str,
-    settle_s: float,
-    drain_timeout_s: float,
-    run: str | None = None,
-) -> ResetReport:
-    """Reset ``replica`` and prove it (see the module docstring); ResetFailed says why not."""
-    started = time.perf_counter()
-    replica.reset_here = True
-    try:
+class Resetter:
+    """Verified resets and their recovery, for one proxy instance (``owner``)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        turns: Turns,
+        owner: str,
+        *,
+        settle_s: float,
+        drain_timeout_s: float,
+        heartbeat_s: float,
+    ) -> None:
+        self.ledger, self.turns, self.owner = ledger, turns, owner
+        self.settle_s = settle_s
+        self.drain_timeout_s = drain_timeout_s
+        self.heartbeat_s = heartbeat_s
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.heartbeat_s * 3000)
+
+    async def reset(self, replica: ReplicaState, *, reason: str, run: str = "") -> ResetReport:
+        """Reset ``replica`` and prove it (see the module docstring); ResetFailed says why not."""
+        started = time.perf_counter()
+        replica.reset_here = True
         try:
-            await turns.mark_resetting(replica.id, int((drain_timeout_s + 300) * 1000))
-        except LedgerError as exc:
-            raise ResetFailed(f"cannot mark the reset in Redis: {exc}") from exc
-        waited = await wait_idle(replica, settle_s, drain_timeout_s)
-        reload_started = time.perf_counter()
-        digest = await _reload(replica)
-        reload_s = time.perf_counter() - reload_started
-        total_s = time.perf_counter() - started
-        details = {
-            "duration_ms": f"{total_s * 1000:.0f}",
-            "reload_ms": f"{reload_s * 1000:.0f}",
-            "waited_ms": f"{waited * 1000:.0f}",
-        }
-        if run is not None:
-            details["run"] = run
-        try:
-            head = await ledger.new_generation(replica.id, digest, reason, details)
-        except LedgerError as exc:
-            raise ResetFailed(f"reset done, but Redis did not take the generation: {exc}") from exc
+            await self._mark(replica.id, reason, run)
+            try:
+                async with heartbeat(lambda: self._beat(replica.id), self.heartbeat_s) as beat:
+                    waited = await wait_idle(replica, self.settle_s, self.drain_timeout_s)
+                    reloaded = time.perf_counter()
+                    digest = await self._reload(replica)
+                    reload_s = time.perf_counter() - reloaded
+                if beat.lost is not None:
+                    raise ResetFailed(f"replica {replica.id}: the reset lost its mark: {beat.lost}")
+                details = _details(started, reload_s, waited, run)
+                head = await self._generation(
+                    replica.id, digest, reason, details, proven_empty=True
+                )
+            finally:
+                await asyncio.shield(self._unmark(replica.id))
+        finally:
+            replica.reset_here = False
+            replica.resetting = False  # our own mark, just removed: no need to wait for a tick
         replica.generation, replica.engine_digest = head.generation, digest
+        replica.healthy = True  # just confirmed ready: no need to wait for a monitor tick
         replica.counters = None  # the next monitor tick starts a new baseline
         _log.info("replica_reset", replica=replica.id, generation=head.generation, **details)
-        return ResetReport(replica.id, head.generation, head.state, waited, reload_s, total_s)
-    finally:
-        replica.reset_here = False
-        with contextlib.suppress(LedgerError):
-            await turns.clear_resetting(replica.id)
+        total = time.perf_counter() - started
+        return ResetReport(replica.id, head.generation, head.state, waited, reload_s, total)
 
-
-async def _reload(replica: ReplicaState) -> str:
-    """Unload and load; then the model must be ready with its request counter at zero."""
-    backend = replica.backend
-    try:
-        await backend.reset()
-        if not await backend.ready():
-            raise ResetFailed(f"replica {replica.id}: the model did not come back ready")
-        count = await backend.request_count()
-        if count != 0:
-            raise ResetFailed(
-                f"replica {replica.id}: request counter reads {count} after the reload, not 0;"
-                " the model was not reloaded, so its cache may not be empty"
+    async def recover(self, replica: ReplicaState) -> str | None:
+        """Finish a reset whose owner died: None when there was none to take over; else the run
+        it was for ('' for none), which the caller fails."""
+        intent = await self.turns.take_over_reset(replica.id, self.owner, self._ttl_ms)
+        if not intent:
+            return None
+        dead = intent.get("dead_owner", "?")
+        _log.warning("reset_recovering", replica=replica.id, dead_owner=dead)
+        reason = f"verified reset interrupted (its proxy {dead} died); model loaded again"
+        try:
+            counters = await self._ready(replica)
+            digest = await replica.backend.engine_digest()
+            await self._generation(
+                replica.id,
+                digest,
+                reason,
+                {},
+                proven_empty=empty(counters),
+                counter=counters.request_count,
             )
-        return await backend.engine_digest()
-    except BackendError as exc:
-        raise ResetFailed(f"replica {replica.id}: {exc.detail}") from exc
+        except (BackendError, ResetFailed) as exc:
+            _log.error("reset_recovery_failed", replica=replica.id, error=str(exc))
+        finally:
+            await asyncio.shield(self._unmark(replica.id))
+        replica.counters = None
+        return intent.get("run", "")
+
+    async def _mark(self, replica: str, reason: str, run: str) -> None:
+        started = datetime.now(UTC).isoformat(timespec="seconds")
+        try:
+            owner = await self.turns.begin_reset(
+                replica, self.owner, self._ttl_ms, run=run, reason=reason, started=started
+            )
+        except LedgerError as exc:
+            raise ResetFailed(f"cannot mark the reset in Redis: {exc}") from exc
+        if owner:
+            raise ResetFailed(f"replica {replica} is being reset by another proxy ({owner})")
+
+    async def _beat(self, replica: str) -> str | None:
+        if await self.turns.reset_heartbeat(replica, self.owner, self._ttl_ms):
+            return None
+        return "another proxy took the reset over"
+
+    async def _unmark(self, replica: str) -> None:
+        try:
+            await self.turns.end_reset(replica, self.owner)
+        except LedgerError as exc:  # the mark expires by itself; the intent waits for recovery
+            _log.warning("reset_unmark_failed", replica=replica, error=str(exc))
+
+    async def _generation(
+        self,
+        replica: str,
+        digest: str,
+        reason: str,
+        details: dict[str, str],
+        *,
+        proven_empty: bool,
+        counter: int = 0,
+    ) -> ChainHead:
+        try:
+            return await self.ledger.new_generation(
+                replica, digest, reason, details, proven_empty=proven_empty, counter=counter
+            )
+        except LedgerError as exc:
+            raise ResetFailed(f"reset done, but Redis did not take the generation: {exc}") from exc
+
+    async def _ready(self, replica: ReplicaState) -> ReplicaCounters:
+        """Load the model if it is not ready; its counters once it is."""
+        backend = replica.backend
+        try:
+            if not await backend.ready():
+                await backend.load()
+            counters = await backend.counters()
+        except BackendError as exc:
+            raise ResetFailed(f"replica {replica.id}: {exc.detail}") from exc
+        if not counters.ready:
+            raise ResetFailed(f"replica {replica.id}: the model did not come back ready")
+        return counters
+
+    async def _reload(self, replica: ReplicaState) -> str:
+        """Unload and load; the model must then be ready with no request and no block."""
+        try:
+            await replica.backend.reset()
+        except BackendError as exc:
+            raise ResetFailed(f"replica {replica.id}: {exc.detail}") from exc
+        counters = await self._ready(replica)
+        if not empty(counters):
+            raise ResetFailed(
+                f"replica {replica.id}: after the reload the request counter reads"
+                f" {counters.request_count} and {counters.used_blocks:g} block(s) are in use, not"
+                " 0 and 0: the model was not reloaded, so its cache may not be empty"
+            )
+        try:
+            return await replica.backend.engine_digest()
+        except BackendError as exc:
+            raise ResetFailed(f"replica {replica.id}: {exc.detail}") from exc
+
+
+def _details(started: float, reload_s: float, waited: float, run: str) -> dict[str, str]:
+    details = {
+        "duration_ms": f"{(time.perf_counter() - started) * 1000:.0f}",
+        "reload_ms": f"{reload_s * 1000:.0f}",
+        "waited_ms": f"{waited * 1000:.0f}",
+    }
+    if run:
+        details["run"] = run
+    return details

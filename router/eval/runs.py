@@ -1,32 +1,29 @@
-"""Eval runs: begin (lease, reset or replay), end, fail, and end by idle timeout.
+"""Eval runs: begin (``begin``), end, fail, break, and end by idle timeout.
 
-A run's replica is the first free one in the rendezvous order of the arm's name over the
-replicas its cache mode allows (reuse on for ``reset``, ``replay:`` and ``shared``, off for
-``off``), so reruns of an arm land on the same replica while it is healthy and free. The lease
-is taken under a fleet-wide lock so that ``min_production_replicas`` always stay with
-production. A failed run stays its arm's current run, answering 503 with the reason, until it
-is ended or a new run is begun: nothing moves it silently to another replica.
+A failed or broken run stays its arm's current run, answering 503 with the reason, until it is
+ended or a new run is begun: nothing moves it silently to another replica.
 
 Run status: ``beginning`` → ``live`` → ``ended`` (explicitly, superseded, or idle), or
-``failed`` (the begin failed, or its replica failed mid-run).
+``failed`` (the begin failed, its proxy died while beginning, its replica failed mid-run, or a
+reset for it was interrupted), or ``broken`` (its chain order is no longer the cache's order:
+its lease or its turn was lost, or a chain step had to wait for Redis).
+
+Each monitor tick (``tick``) learns leases and reset marks, finishes resets whose proxy died
+(``reset.Resetter.recover``), fails beginning runs whose proxy died, and ends idle runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 import structlog
 
-from backends.base import BackendError
-from policies import rendezvous_order
-from router.errors import Conflict, KvlError, NotFound, Unavailable
-from router.eval.profiles import REPLAY, now_iso
-from router.eval.replay import replay
-from router.eval.reset import ResetFailed, verified_reset, wait_idle
-from router.fleet import Fleet, ReplicaState
+from router.errors import KvlError, NotFound, Unavailable
+from router.eval import begin as beginning
+from router.eval.profiles import now_iso
+from router.eval.reset import Resetter
+from router.fleet import Fleet
 from router.ledger import Ledger, LedgerError
 from router.ledger.keys import Profile
 from router.ledger.runs import RunStore
@@ -34,15 +31,7 @@ from router.ledger.turns import Turns
 from router.settings import EvalSettings
 
 Meta = dict[str, str]
-BEGIN_BUDGET_S = 600.0  # a begin (drain, reload, replay) longer than this is presumed dead
-BEGIN_BUDGET_S_MS = int(BEGIN_BUDGET_S * 1000)
 _log = structlog.get_logger("kvledger.runs")
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    replica: ReplicaState
-    reason: str
 
 
 class Runs:
@@ -55,12 +44,27 @@ class Runs:
         store: RunStore,
         turns: Turns,
         settings: EvalSettings,
+        *,
         settle_s: float,
+        owner: str,
+        heartbeat_s: float,
     ) -> None:
         self.fleet, self.ledger, self.store, self.turns = fleet, ledger, store, turns
         self.settings = settings
-        self.settle_s = settle_s
+        self.settle_s = settle_s  # other proxies learn a lease within this: resets wait as long
+        self.owner = owner  # this proxy instance, for the claims it holds
+        self.heartbeat_s = heartbeat_s
+        self.owner_ttl_ms = int(heartbeat_s * 3000)
+        self.resets = Resetter(
+            ledger,
+            turns,
+            owner,
+            settle_s=settle_s,
+            drain_timeout_s=settings.drain_timeout_s,
+            heartbeat_s=heartbeat_s,
+        )
         self._arm_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._unrecorded: dict[str, tuple[str, str]] = {}  # run -> (status, reason), for Redis
 
     async def for_request(self, profile: Profile, model: str) -> Meta:
         """The arm's current run, begun now if it has none; waits while another proxy begins."""
@@ -69,7 +73,7 @@ class Runs:
             async with self._arm_locks[profile.name]:
                 meta = await self._current(profile.name)
                 if meta is None:
-                    return await self._begin(profile, model, "first request")
+                    return await beginning.begin(self, profile, model, "first request")
         return await self._settled(meta)
 
     async def still_live(self, run: str, arm: str) -> Meta:
@@ -83,13 +87,13 @@ class Runs:
             current = await self.store.current(profile.name)
             if current is not None:
                 await self.end(current, "superseded by a new run of the arm")
-            return await self._begin(profile, model, "begun explicitly")
+            return await beginning.begin(self, profile, model, "begun explicitly")
 
     async def end(self, run: str, reason: str, status: str = "ended") -> Meta:
         meta = await self.store.get(run)
         if meta is None:
             raise NotFound(f"no run '{run}'")
-        if meta.get("status") in ("ended", "failed") and status == "ended":
+        if meta.get("status") in ("ended", "failed", "broken") and status == "ended":
             await self.store.release(meta["arm"], run)
             return meta
         fields = {"status": status, "ended_at": now_iso(), "end_reason": reason}
@@ -104,24 +108,42 @@ class Runs:
         _log.info("run_" + status, run=run, replica=replica, reason=reason)
         return {**meta, **fields}
 
-    async def fail(self, run: str, reason: str) -> None:
-        """Mark the run failed and free its replica; its arm keeps pointing at it (503s)."""
+    async def fail(self, run: str, reason: str, status: str = "failed") -> None:
+        """Mark the run failed (or broken) and free its replica; its arm keeps pointing at it,
+        so its requests answer 503 with the reason. Without Redis, retried each tick."""
         try:
-            await self.end(run, reason, status="failed")
+            await self.end(run, reason, status=status)
         except (LedgerError, KvlError) as exc:
+            self._unrecorded[run] = (status, reason)
             _log.error("run_fail_unrecorded", run=run, reason=reason, error=str(exc))
+        else:
+            self._unrecorded.pop(run, None)
 
     async def tick(self) -> None:
-        """The monitor's hook: learn leases and resets from Redis, end idle runs."""
+        """The monitor's hook: learn leases and resets, recover what dead proxies left behind,
+        end idle runs (see the module docstring)."""
         marks = await self.turns.marks(r.id for r in self.fleet)
         for replica in self.fleet:
             replica.leased_by, replica.resetting = marks[replica.id]
+        for replica_id in await self.turns.orphaned_resets(r.id for r in self.fleet):
+            run = await self.resets.recover(self.fleet[replica_id])
+            if run:
+                reason = "its verified reset was interrupted: the proxy running it died"
+                await self.fail(run, reason)
+        for run, (status, reason) in list(self._unrecorded.items()):
+            await self.fail(run, reason, status)
         for run in await self.store.live():
-            meta = await self.store.get(run)
-            if meta is None:  # deleted by hand: forget it
-                await self.store.update(run, {}, ended=True)
-            elif await self.store.current(meta["arm"]) != run:
-                await self.end(run, "idle timeout")
+            await self._check(run)
+
+    async def _check(self, run: str) -> None:
+        meta = await self.store.get(run)
+        if meta is None:  # deleted by hand: forget it
+            await self.store.update(run, {}, ended=True)
+        elif meta.get("status") == "beginning":
+            if not await self.store.owner_alive(run):
+                await self.fail(run, "its begin was interrupted: the proxy beginning it died")
+        elif await self.store.current(meta["arm"]) != run:
+            await self.end(run, "idle timeout")
 
     async def _current(self, arm: str) -> Meta | None:
         run = await self.store.current(arm)
@@ -131,9 +153,12 @@ class Runs:
         return await self.store.get(run) or {"id": run, "arm": arm, "status": "beginning"}
 
     async def _settled(self, meta: Meta) -> Meta:
-        """Wait out another proxy's begin; a failed run answers with its reason."""
-        deadline = time.monotonic() + BEGIN_BUDGET_S
-        while meta.get("status") == "beginning" and time.monotonic() < deadline:
+        """Wait out another proxy's begin while that proxy lives; a failed, broken or ended run
+        (or a begin whose proxy died) answers 503 with its reason at once."""
+        while meta.get("status") == "beginning":
+            if not await self.store.owner_alive(meta["id"]):
+                meta = await self._orphaned(meta)
+                break
             await asyncio.sleep(0.1)
             fresh = await self.store.get(meta["id"])
             if fresh is None and await self.store.current(meta["arm"]) != meta["id"]:
@@ -151,144 +176,13 @@ class Runs:
             headers={"Retry-After": "5", "X-Kvl-Run": meta["id"]},
         )
 
-    async def _begin(self, profile: Profile, model: str, trigger: str) -> Meta:
-        arm = profile.name
-        run = f"{arm}.{await self.store.number(arm)}"
-        idle_ms = int(profile.idle_timeout_s * 1000)
-        if not await self.store.claim(arm, run, idle_ms + int(BEGIN_BUDGET_S * 1000)):
-            raise Conflict(f"arm '{arm}' is beginning another run; retry")
-        meta: Meta = {
-            "id": run,
-            "arm": arm,
-            "cache": profile.cache or "shared",
-            "model": model,
-            "status": "beginning",
-            "began_at": now_iso(),
-            "trigger": trigger,
-            "idle_timeout_s": f"{profile.idle_timeout_s:g}",
-        }
-        try:
-            lease = await self._lease(run, profile, model)
-        except BaseException:
-            # Nothing to record: the run never held a replica (the 503 says why).
-            await asyncio.shield(self.store.release(arm, run))
-            raise
-        meta["replica"] = lease.replica.id
-        await self.store.create(run, meta, int(time.time() * 1000))
-        try:
-            meta.update(await self._prepare(run, arm, meta["cache"], lease.replica))
-            meta.update(choice=lease.reason, status="live")
-            await self.store.update(run, meta)
-            await self.store.touch(arm, run, idle_ms)
-            await self.turns.renew_lease(lease.replica.id, run, idle_ms)
-        except (ResetFailed, LedgerError, BackendError) as exc:
-            reason = exc.message if isinstance(exc, ResetFailed) else str(exc)
-            await self._abort(run, arm, lease, f"run begin failed: {reason}")
+    async def _orphaned(self, meta: Meta) -> Meta:
+        """A beginning run whose proxy died: failed (recorded) or, if never recorded, gone."""
+        reason = "its begin was interrupted: the proxy beginning it died"
+        if await self.store.get(meta["id"]) is None:
+            await self.store.release(meta["arm"], meta["id"])
             raise Unavailable(
-                f"run {run} of arm '{arm}' could not begin: {reason}",
-                headers={"Retry-After": "5", "X-Kvl-Run": run},
-            ) from exc
-        except BaseException as exc:
-            await asyncio.shield(self._abort(run, arm, lease, f"run begin failed: {exc!r}"))
-            raise
-        _log.info("run_live", run=run, replica=meta["replica"], cache=meta["cache"])
-        return meta
-
-    async def _abort(self, run: str, arm: str, lease: Lease, reason: str) -> None:
-        meta = {"status": "failed", "ended_at": now_iso(), "end_reason": reason}
-        try:
-            lease.replica.leased_by = None
-            await self.turns.free_lease(lease.replica.id, run)
-            await self.store.update(run, meta, ended=True)
-            await self.store.release(arm, run)
-        except LedgerError as exc:
-            _log.error("run_abort_unrecorded", run=run, error=str(exc))
-
-    async def _prepare(self, run: str, arm: str, cache: str, replica: ReplicaState) -> Meta:
-        """Bring the leased replica to the run's starting state; the run's fields that says so."""
-        s = self.settings
-        fields: Meta = {}
-        if cache == "reset" or cache.startswith(REPLAY):
-            report = await verified_reset(
-                replica,
-                self.ledger,
-                self.turns,
-                reason=f"verified reset: run {run} begins",
-                settle_s=self.settle_s,
-                drain_timeout_s=s.drain_timeout_s,
-                run=run,
+                f"run {meta['id']} could not begin: {reason}; retry", headers={"Retry-After": "5"}
             )
-            fields.update(report.as_fields())
-        else:  # shared, off: no reset, but nothing else may run there from now on
-            waited = await wait_idle(replica, self.settle_s, s.drain_timeout_s)
-            fields["waited_ms"] = f"{waited * 1000:.0f}"
-        if cache.startswith(REPLAY):
-            name = cache[len(REPLAY) :]
-            snapshot = await self.store.snapshot(name)
-            if snapshot is None:
-                raise ResetFailed(f"snapshot '{name}' does not exist")
-            requests = snapshot["requests"]
-            expected = str(snapshot["fingerprint"])
-            label = f"snapshot '{name}'"
-            await replay(self.ledger, replica, run, arm, requests, expected=expected, label=label)
-            fields["replayed"] = str(len(requests))
-        head = await self.ledger.head(replica.id)
-        count = await replica.backend.request_count()
-        await self.turns.set_run_counter(replica.id, run, count)
-        fields.update(
-            generation=str(head.generation),
-            seq=str(head.seq),
-            state=head.state,
-            engine_digest=head.engine_digest,
-        )
-        return fields
-
-    async def _lease(self, run: str, profile: Profile, model: str) -> Lease:
-        """The first free replica in the arm's rendezvous order (see the module docstring)."""
-        reuse = profile.cache != "off"
-        serving = self.fleet.serving(model)
-        allowed = [r.id for r in serving if r.settings.reuse == reuse]
-        if profile.replica is not None:
-            allowed = [r for r in allowed if r == profile.replica]
-        order = rendezvous_order(profile.name, allowed)
-        skipped: list[str] = []
-        async with self.turns.lease_lock():
-            marks = await self.turns.marks(r.id for r in serving)
-            for replica in serving:
-                replica.leased_by = marks[replica.id][0]
-            for rank, replica_id in enumerate(order, 1):
-                replica = self.fleet[replica_id]
-                why = self._unleasable(replica, serving)
-                if why is None:
-                    holder = await self.turns.take_lease(replica_id, run, BEGIN_BUDGET_S_MS)
-                    if holder is None:
-                        replica.leased_by = run
-                        reason = f"rendezvous rank {rank} of {len(order)} for arm '{profile.name}'"
-                        return Lease(replica, reason + "".join(f"; {s}" for s in skipped))
-                    why = f"leased by run {holder}"
-                skipped.append(f"{replica_id} skipped: {why}")
-        kind = "reuse on" if reuse else "reuse off"
-        raise Unavailable(
-            f"no replica can be leased for arm '{profile.name}' (model {model}, {kind}"
-            + (f", pinned to {profile.replica}" if profile.replica else "")
-            + "): "
-            + ("; ".join(skipped) or "none configured"),
-            headers={"Retry-After": "5"},
-        )
-
-    def _unleasable(self, replica: ReplicaState, serving: list[ReplicaState]) -> str | None:
-        if not replica.healthy:
-            return "not healthy"
-        if replica.draining:
-            return "draining"
-        if replica.leased_by is not None:
-            return f"leased by run {replica.leased_by}"
-        left = sum(
-            1
-            for r in serving
-            if r is not replica and r.healthy and not r.draining and r.leased_by is None
-        )
-        minimum = self.settings.min_production_replicas
-        if left < minimum:
-            return f"leasing it would leave {left} replica(s) to production (minimum {minimum})"
-        return None
+        await self.fail(meta["id"], reason)
+        return await self.store.get(meta["id"]) or {**meta, "status": "failed"}

@@ -26,7 +26,7 @@ import functools
 import hmac
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import orjson
 import structlog
@@ -39,6 +39,7 @@ from router.http.context import FLEET, KEYS, LEDGER, RUNS, SETTINGS, read_json
 from router.ledger import ChainHead, LedgerUnavailable
 
 AdminHandler = Callable[[web.Request], Awaitable[web.Response]]
+H = TypeVar("H", bound=Callable[[web.Request], Awaitable[web.StreamResponse]])
 MAX_COUNT = 10_000
 _log = structlog.get_logger("kvledger.admin")
 
@@ -73,13 +74,13 @@ def _check_token(request: web.Request) -> None:
         raise Unauthorized("invalid admin token")
 
 
-def admin_only(handler: AdminHandler) -> AdminHandler:
+def admin_only(handler: H) -> H:
     @functools.wraps(handler)
-    async def guarded(request: web.Request) -> web.Response:
+    async def guarded(request: web.Request) -> web.StreamResponse:
         _check_token(request)
         return await handler(request)
 
-    return guarded
+    return cast(H, guarded)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from router.errors import BadRequest, Conflict, NotFound, Unavailable
 from router.eval.profiles import NAME
-from router.eval.reset import ResetFailed, verified_reset
+from router.eval.reset import ResetFailed
 from router.eval.snapshots import from_requests, from_run, summary
 from router.http.admin import admin_only, count_param, json_response, query_params, redis_errors
 from router.http.context import FLEET, KEYS, LEDGER, RUNS, SETTINGS, read_json
@@ -105,14 +105,7 @@ async def reset_replica(request: web.Request) -> web.Response:
         raise Conflict(f"replica {replica_id} is leased by run {replica.leased_by}; end it first")
     runs = request.app[RUNS]
     try:
-        report = await verified_reset(
-            replica,
-            request.app[LEDGER],
-            runs.turns,
-            reason="verified reset: admin request",
-            settle_s=runs.settle_s,
-            drain_timeout_s=runs.settings.drain_timeout_s,
-        )
+        report = await runs.resets.reset(replica, reason="verified reset: admin request")
     except ResetFailed as exc:
         raise Unavailable(f"reset failed: {exc.message}", headers={"Retry-After": "5"}) from exc
     return json_response(

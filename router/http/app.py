@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import secrets
+import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import aiohttp
@@ -22,7 +25,7 @@ from router.dispatch import Dispatcher
 from router.eval.dispatch import EvalDispatcher
 from router.eval.runs import Runs
 from router.fleet import Fleet, ReplicaState
-from router.http import admin, admin_runs, openai, ops, triton
+from router.http import admin, admin_explain, admin_runs, openai, ops, triton
 from router.http.context import (
     DISPATCH,
     EVAL,
@@ -105,7 +108,16 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
         app[DISPATCH] = Dispatcher(fleet, app[LEDGER], policy, app[METRICS])
         turns, store = Turns(app[REDIS]), RunStore(app[REDIS])
         # Other proxies learn a new lease within one monitor interval: resets wait that long.
-        runs = Runs(fleet, app[LEDGER], store, turns, settings.eval, settings.monitor_interval_s)
+        runs = Runs(
+            fleet,
+            app[LEDGER],
+            store,
+            turns,
+            settings.eval,
+            settle_s=settings.monitor_interval_s,
+            owner=instance_id(settings),
+            heartbeat_s=settings.eval.heartbeat_s,
+        )
         app[RUNS] = runs
         app[EVAL] = EvalDispatcher(fleet, app[LEDGER], runs, turns, settings.eval, app[METRICS])
         await _register(store, settings)
@@ -121,6 +133,11 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
             await asyncio.gather(*(b.close() for b in backends.values()))
 
     return ctx
+
+
+def instance_id(settings: Settings) -> str:
+    """This proxy instance, for the claims it holds in Redis (resets, begins)."""
+    return f"{socket.gethostname()}:{settings.port}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 async def _register(store: RunStore, settings: Settings) -> None:
@@ -141,6 +158,6 @@ def create_app(
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_resources)
     app.cleanup_ctx.append(_fleet_ctx(backends))
-    for module in (openai, triton, ops, admin, admin_runs):
+    for module in (openai, triton, ops, admin, admin_explain, admin_runs):
         app.add_routes(module.routes())
     return app

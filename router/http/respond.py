@@ -18,6 +18,7 @@ from router.errors import KvlError, UpstreamFailed
 from router.flight import Flight, Parsed
 from router.http.context import SETTINGS, open_flight
 from router.http.errors import error_body
+from router.ledger.records import record_headers
 
 _log = structlog.get_logger("kvledger.respond")
 
@@ -66,12 +67,14 @@ async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.
         if isinstance(exc, TimeoutError):
             raise UpstreamFailed(f"replica {flight.replica.id} timed out") from exc
         raise
+    except Exception:
+        await _end(flight, "error")  # whatever escaped, the flight ends and leaves its record
+        raise
     record = await _end(flight, "ok")
-    admission = await flight.admission()
     return web.Response(
         body=orjson.dumps(reply.body(flight.text, record)),
         content_type="application/json",
-        headers=admission.headers(parsed.request.request_id),
+        headers=record_headers(record),
     )
 
 
@@ -80,8 +83,7 @@ async def serve_stream(request: web.Request, parsed: Parsed, reply: Reply) -> we
     flight = await open_flight(request, parsed)
     response = web.StreamResponse()
     try:
-        admission = await flight.admission()
-        response.headers.update(admission.headers(parsed.request.request_id))
+        response.headers.update(flight.admission.headers(parsed.request.request_id))
         response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
         await response.prepare(request)
@@ -101,6 +103,17 @@ async def serve_stream(request: web.Request, parsed: Parsed, reply: Reply) -> we
         error = exc if isinstance(exc, KvlError) else UpstreamFailed("replica timed out")
         await response.write(reply.error_event(error_body(error.message, error.type, error.code)))
         return response
+    except Exception:
+        # A bug or a garbled replica: the flight still ends, and the client's stream ends with
+        # an error event instead of hanging on a response that never completes.
+        _log.exception("stream_failed", request_id=parsed.request.request_id)
+        await _end(flight, "error")
+        if response.prepared:
+            body = error_body("internal error; see the proxy's log", "server_error", "internal")
+            await response.write(reply.error_event(body))
+            await response.write_eof()
+            return response
+        raise
     record = await _end(flight, "ok")
     await response.write(reply.closing(record))
     await response.write_eof()

@@ -66,19 +66,25 @@ class ChainHead:
     seq: int
     state: str
     engine_digest: str
+    known: bool = True  # False: the state descends from a cache nobody saw empty
 
 
 @dataclass(frozen=True, slots=True)
 class Advance:
-    """The result of one chain step.
+    """The result of one chain step (``seq`` is the request's 0-based place in its generation).
 
-    ``stale`` means the request ran in an older generation than Redis holds: the chain did not
-    move, and ``generation``, ``seq`` and both states describe the current head instead.
+    ``stale``: the request ran in an older generation than Redis holds; the chain did not move
+    and ``seq`` and both states are None (``generation`` is the current one). ``unordered``: the
+    request touched the cache but its order could not be guaranteed (an eval turn lost), so the
+    chain moved to a fresh unknown state. ``known`` says whether ``state_before`` descends from a
+    cache seen empty.
     """
 
     replica: str
     generation: int
-    seq: int
-    state_before: str
-    state_after: str
+    seq: int | None
+    state_before: str | None
+    state_after: str | None
+    known: bool = True
     stale: bool = False
+    unordered: bool = False

@@ -1,59 +1,71 @@
 """The ledger: cache generations, state chains and lineage records in Redis (DESIGN.md §5).
 
-A replica's chain lives in one hash, ``kvl:{replica:ID}:cache``, and moves by one Lua script, so
-proxy instances sharing a replica keep one chain. Lineage records are written behind the
-response by a background writer; while Redis is away they wait in a bounded buffer and a local
-spool, and late chain steps run in spool order once it is back (``router.ledger.writer``).
+A replica's chain lives in one hash, ``kvl:{replica:ID}:cache``, and moves by one Lua call per
+request that also writes the request's lineage record into the replica's stream
+(``router.ledger.scripts``): one round trip, exactly once. While Redis is away, the record is
+answered ``pending`` and its step waits in a bounded buffer and a local spool; late steps run
+in spool order once Redis is back (``router.ledger.writer``).
 
-Errors (``router.ledger.errors``, re-exported here)::
+Errors (``router.ledger.errors``, re-exported by the package)::
 
     LedgerError                 the ledger cannot do what was asked
      ├── LedgerUnavailable      Redis did not answer within redis_timeout_s, or refused
      ├── UnknownReplica         the replica has no chain in Redis yet (call ensure_replica)
      └── SpoolUnavailable       start(): the spool cannot be opened, or another process holds it
 
-The parts: ``chain`` (fingerprints, pure), ``schema`` (every key name, stream field and
-script), ``writer`` and ``spool`` (the way to Redis), ``read``.
+The parts: ``chain`` (fingerprints, pure), ``schema`` (every key name and stream field),
+``scripts`` (the Lua), ``records`` (what a record holds), ``writer`` and ``spool`` (the way to
+Redis), ``read``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 import structlog
 from redis.typing import EncodableT
 
+from router.ledger.audit import Auditor, ChainAudit
 from router.ledger.chain import Advance, ChainHead, genesis
-from router.ledger.errors import (
-    LedgerUnavailable,
-    SpoolUnavailable,
-    UnknownReplica,
-    redis_call,
-)
+from router.ledger.errors import LedgerUnavailable, SpoolUnavailable, UnknownReplica, redis_call
 from router.ledger.read import LedgerReader
+from router.ledger.records import chain_fields, template, with_chain
 from router.ledger.schema import (
     GENERATIONS,
     GENERATIONS_MAXLEN,
     HEAD_FIELDS,
-    Scripts,
     advance_from,
     cache_key,
+    entry_record,
     generation_fields,
     head_from,
+    replica_key,
+    replica_lineage_key,
     step_key,
     text,
 )
+from router.ledger.scripts import Scripts
 from router.ledger.spool import Step, job_from_record
 from router.ledger.writer import LedgerConfig, Writer
+
+Record = dict[str, Any]
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+class Fence:
+    """An eval request's hold on its replica: the turn's token, the run, and the replica's
+    request counter after the request (stored for the run's next continuity check)."""
+
+    def __init__(self, token: str, run: str, count: int) -> None:
+        self.token, self.run, self.count = token, run, count
 
 
 class Ledger:
@@ -67,7 +79,7 @@ class Ledger:
         self._cfg = config
         self._log = log
         self._scripts = Scripts(client)
-        self._writer = Writer(client, self._scripts, config, log)
+        self._writer = Writer(client, self._scripts, config, log, self._ensure_unknown)
         self._reader = LedgerReader(client, config.redis_timeout_s)
 
     async def start(self) -> None:
@@ -84,7 +96,7 @@ class Ledger:
     @property
     def redis_up(self) -> bool:
         """True when a chain step can run now: Redis answers and no late step waits to go first
-        (so steps keep submit order). False sends callers to :meth:`submit_pending`."""
+        (so steps keep submit order). False: :meth:`commit` defers the step."""
         w = self._writer
         return w.redis_up and not w.spool.pending and w.steps_in_buffer == 0
 
@@ -99,16 +111,26 @@ class Ledger:
             "redis_up": w.redis_up,
         }
 
-    async def ensure_replica(self, replica_id: str, engine_digest: str) -> ChainHead:
-        """The replica's head, creating its chain (generation 1) if absent; a different engine
-        digest starts a new generation ("engine changed")."""
-        args = [engine_digest, genesis(engine_digest), _now()]
+    # Generations ---------------------------------------------------------------------------
+
+    async def ensure_replica(
+        self, replica_id: str, engine_digest: str, *, proven_empty: bool, counter: int
+    ) -> ChainHead:
+        """The replica's head, starting a generation when its chain is absent, its engine digest
+        changed, or its request counter is below the generation's start (see ``scripts``). A new
+        generation's state is genesis only if ``proven_empty``, else unknown."""
+        args: list[EncodableT] = [
+            engine_digest,
+            genesis(engine_digest),
+            _now(),
+            int(proven_empty),
+            counter,
+        ]
         async with self._call("ensure replica"):
             raw = await self._scripts.ensure(keys=[cache_key(replica_id)], args=args)
-        head = _known(replica_id, head_from(replica_id, raw))
-        reason = text(raw[4])
-        if reason:
-            await self._log_generation(head, reason)
+        head = _head(replica_id, raw)
+        if text(raw[5]):
+            await self._log_generation(head, text(raw[5]))
         return head
 
     async def new_generation(
@@ -117,60 +139,108 @@ class Ledger:
         engine_digest: str,
         reason: str,
         details: Mapping[str, str] | None = None,
+        *,
+        proven_empty: bool,
+        counter: int = 0,
     ) -> ChainHead:
-        """Its cache is known to be empty: generation + 1, seq 0, state genesis."""
-        state = genesis(engine_digest)
-        args = [engine_digest, state, _now(), reason]
+        """Its cache started anew: generation + 1, seq 0, genesis if proven empty, else an
+        unknown state."""
+        args: list[EncodableT] = [
+            engine_digest,
+            genesis(engine_digest),
+            _now(),
+            reason,
+            int(proven_empty),
+            counter,
+        ]
         async with self._call("new generation"):
             raw = await self._scripts.new_generation(keys=[cache_key(replica_id)], args=args)
-        head = ChainHead(replica_id, int(raw), 0, state, engine_digest)
+        head = _head(replica_id, raw)
         await self._log_generation(head, reason, details)
         return head
 
     async def head(self, replica_id: str) -> ChainHead:
         async with self._call("read head"):
             values = await self._client.hmget(cache_key(replica_id), list(HEAD_FIELDS))
-        return _known(replica_id, head_from(replica_id, values))
+        head = head_from(replica_id, values)
+        if head is None:
+            raise UnknownReplica(f"replica {replica_id!r} has no chain; call ensure_replica")
+        return head
 
     async def heads(self, replica_ids: Iterable[str]) -> dict[str, ChainHead | None]:
         return await self._reader.heads(replica_ids)
 
-    async def advance(
-        self, replica_id: str, generation: int, digest: str, *, request_id: str | None = None
-    ) -> Advance:
-        """Step the chain by ``digest`` if ``generation`` is current (else ``stale``, unmoved).
+    # Chain steps ---------------------------------------------------------------------------
 
-        With ``request_id`` the step is idempotent for ``step_ttl_s``: a retry (the reply was
-        lost; the record then goes through :meth:`submit_pending`) gets the first answer
-        instead of stepping twice. That costs one short-lived key per request.
+    async def commit(self, record: Record, *, exact: bool = False) -> Record:
+        """Step the replica's chain by this request and write its record: one Redis call.
+
+        Returns the record as stored. While Redis is away (or late steps wait to go first),
+        the record is returned ``pending`` with empty chain fields, and its step is spooled.
         """
-        keys = [cache_key(replica_id)]
-        if request_id is not None:
-            keys.append(step_key(replica_id, request_id))
-        args: list[EncodableT] = [generation, digest, self._cfg.step_ttl_s]
-        async with self._call("advance"):
-            raw = await self._scripts.advance(keys=keys, args=args)
-        step = advance_from(replica_id, raw)
-        if step is None:
-            raise UnknownReplica(f"replica {replica_id!r} has no chain")
-        return step
-
-    def submit(self, record: dict[str, Any]) -> None:
-        """Queue a finished record (its chain already stepped). Never blocks, never raises."""
-        self._enqueue(record, None)
-
-    def submit_pending(self, record: dict[str, Any]) -> None:
-        """Queue a record whose chain step is still due: it runs, in submit order, before the
-        record is written, by the record's ``replica``, ``generation`` and ``digest``; the stored
-        record keeps ``pending: true`` and gets ``seq``, ``state_before`` and ``state_after``."""
+        if not self.redis_up:
+            return self.defer(record, exact, tried=False)
         try:
-            step = Step(str(record["replica"]), int(record["generation"]), str(record["digest"]))
-        except (KeyError, TypeError, ValueError):
-            self._log.error("ledger_step_missing", request_id=record.get("request_id"))
-            step = None
-        self._enqueue({**record, "pending": True}, step)
+            return await self._step(record, exact, None)
+        except LedgerUnavailable:
+            return self.defer(record, exact, tried=True)
 
-    async def record(self, request_id: str) -> dict[str, Any] | None:
+    async def fenced_commit(self, record: Record, fence: Fence, *, exact: bool = True) -> Record:
+        """The eval chain step, under the run's turn (``unordered`` when the turn was lost).
+        LedgerUnavailable when Redis failed: the caller defers it and the run is broken."""
+        return await self._step(record, exact, fence)
+
+    def defer(self, record: Record, exact: bool, *, tried: bool) -> Record:
+        """Answer ``record`` pending and queue its step, in submit order; ``tried`` says the
+        step was sent and may have run (its retry then relies on the step key)."""
+        record.update(pending=True, seq=None, state_before=None, state_after=None, state_known=None)
+        step = Step(
+            str(record["replica"]),
+            int(record["generation"]),
+            str(record["digest"]),
+            exact,
+            int(time.time() * 1000) if tried else None,
+        )
+        self._writer.put(job_from_record(record, template(record), step))
+        return record
+
+    async def _step(self, record: Record, exact: bool, fence: Fence | None) -> Record:
+        data = template(record)
+        replica, request_id = str(record["replica"]), str(record["request_id"])
+        keys = [cache_key(replica), step_key(replica, request_id), replica_lineage_key(replica)]
+        args: list[EncodableT] = [
+            record["generation"],
+            record["digest"],
+            data,
+            self._cfg.step_ttl_s,
+            self._cfg.lineage_maxlen,
+            int(exact),
+            request_id,
+        ]
+        script = self._scripts.step
+        if fence is not None:
+            keys += [replica_key(replica, "turn"), replica_key(replica, "run")]
+            args += [fence.token, fence.run, fence.count]
+            script = self._scripts.fenced_step
+        async with self._call("chain step"):
+            step = advance_from(replica, await script(keys=keys, args=args))
+            if step is None:  # Redis lost the chain: start an unknown one, then step (stale)
+                await self._ensure_unknown(replica, str(record["engine_digest"]))
+                step = advance_from(replica, await script(keys=keys, args=args))
+        if step is None:
+            raise UnknownReplica(f"replica {replica!r} has no chain")
+        fields = chain_fields(step, exact)
+        record.update(fields)
+        self._writer.index(request_id, record.get("run"), with_chain(data, fields))
+        return record
+
+    async def _ensure_unknown(self, replica: str, engine_digest: str) -> None:
+        """A chain for a replica whose chain Redis lost: nothing proves its cache empty."""
+        await self.ensure_replica(replica, engine_digest, proven_empty=False, counter=0)
+
+    # Reading --------------------------------------------------------------------------------
+
+    async def record(self, request_id: str) -> Record | None:
         return await self._reader.record(request_id)
 
     async def tail(
@@ -179,24 +249,31 @@ class Ledger:
         replica: str | None = None,
         key: str | None = None,
         run: str | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[Record]:
         return await self._reader.tail(count, replica=replica, key=key, run=run)
 
-    async def run_records(self, run_id: str) -> list[dict[str, Any]]:
+    async def run_records(self, run_id: str) -> list[Record]:
         return await self._reader.run_records(run_id)
 
-    async def generations(
-        self, replica: str | None = None, count: int = 100
-    ) -> list[dict[str, Any]]:
+    async def generations(self, replica: str | None = None, count: int = 100) -> list[Record]:
         return await self._reader.generations(replica, count)
 
-    def _enqueue(self, record: dict[str, Any], step: Step | None) -> None:
-        try:
-            data = orjson.dumps(record)
-        except TypeError as exc:  # orjson.JSONEncodeError: a caller's bug, no disk can help
-            self._writer.drop(str(record.get("request_id")), f"not serialisable: {exc}")
-            return
-        self._writer.put(job_from_record(record, data, step))
+    async def generation_records(self, replica: str, generation: int, upto: int) -> list[Record]:
+        return await self._reader.generation_records(replica, generation, upto)
+
+    async def audit(self, replicas: Iterable[str] | None = None) -> list[ChainAudit]:
+        """Walk each replica's stream and check its chain (``router.ledger.audit``)."""
+        ids = list(replicas) if replicas is not None else await self._reader.replica_ids()
+        audits = []
+        for replica in ids:
+            auditor = Auditor(replica)
+            async for page in self._reader.replica_records(replica):
+                for _entry_id, fields in page:
+                    record = entry_record(fields)
+                    if record is not None:
+                        auditor.feed(record)
+            audits.append(auditor.done())
+        return audits
 
     async def _log_generation(
         self, head: ChainHead, reason: str, details: Mapping[str, str] | None = None
@@ -204,6 +281,7 @@ class Ledger:
         fields = generation_fields(
             head.replica, head.generation, reason, head.engine_digest, _now(), details
         )
+        fields["known"] = int(head.known)
         async with self._call("log generation"):
             await self._client.xadd(
                 GENERATIONS, fields, maxlen=GENERATIONS_MAXLEN, approximate=True
@@ -212,6 +290,7 @@ class Ledger:
             "ledger_generation_started",
             replica=head.replica,
             generation=head.generation,
+            known=head.known,
             reason=reason,
         )
 
@@ -226,7 +305,11 @@ class Ledger:
             raise
 
 
-def _known(replica_id: str, head: ChainHead | None) -> ChainHead:
-    if head is None:
-        raise UnknownReplica(f"replica {replica_id!r} has no chain; call ensure_replica first")
+def _head(replica_id: str, raw: list[Any]) -> ChainHead:
+    """A head from ENSURE's or NEW_GENERATION's answer (generation, seq, state, digest, known)."""
+    head = head_from(replica_id, raw)
+    assert head is not None  # both scripts always answer a head
     return head
+
+
+__all__ = ["Advance", "Fence", "Ledger"]

@@ -1,12 +1,14 @@
 """Reading the ledger back: one record, the tail of the lineage, a run, generations, heads.
 
-The lineage streams may hold a record twice (a batch written again after a crash or a lost
-reply); request ids are unique, so readers keep the first copy of each.
+The records of truth are the replicas' lineage streams (one per replica, in chain order); the
+tail merges them by stream id, which is Redis' clock, so the merge is in the order Redis wrote
+them. A run's records come from its index stream, which may hold a record twice (an index write
+repeated after a lost reply); request ids are unique, so readers keep the first copy of each.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import orjson
@@ -17,10 +19,11 @@ from router.ledger.errors import redis_call
 from router.ledger.schema import (
     GENERATIONS,
     HEAD_FIELDS,
-    LINEAGE,
+    REPLICAS,
     cache_key,
     entry_record,
     head_from,
+    replica_lineage_key,
     request_key,
     run_lineage_key,
     text,
@@ -62,12 +65,44 @@ class LedgerReader:
 
         if run is not None:
             return [r for r in await self.run_records(run) if wanted(r)][-count:]
-        found: list[dict[str, Any]] = []
-        seen: set[str] = set()
+        replicas = [replica] if replica is not None else await self.replica_ids()
+        entries: list[Entry] = []
+        for rid in replicas:
+            entries.extend(await self._newest(replica_lineage_key(rid), count, wanted))
+        entries.sort(key=lambda e: _stream_id(e[0]))
+        return _records(entries[-count:], set())
+
+    async def replica_ids(self) -> list[str]:
+        """Every replica a proxy registered (their streams hold the lineage)."""
+        async with redis_call("read replicas", self._timeout):
+            return sorted(text(k) for k in await self._client.hkeys(REPLICAS))
+
+    async def replica_records(self, replica: str, after: str = "-") -> AsyncIterator[list[Entry]]:
+        """The replica's stream in chain order, a page at a time, after stream id ``after``."""
+        low = after
+        while True:
+            async with redis_call("read lineage", self._timeout):
+                page = _entries(
+                    await self._client.xrange(replica_lineage_key(replica), low, "+", count=PAGE)
+                )
+            if page:
+                yield page
+            if len(page) < PAGE:
+                return
+            low = "(" + text(page[-1][0])
+
+    async def _newest(
+        self, stream: str, count: int, wanted: Callable[[dict[str, Any]], bool]
+    ) -> list[Entry]:
+        """Up to ``count`` newest entries of ``stream`` whose record is wanted, oldest first."""
+        found: list[Entry] = []
         scanned = 0
-        async for entries in self._pages_backwards(LINEAGE):
+        async for entries in self._pages_backwards(stream):
             scanned += len(entries)
-            found.extend(r for r in _records(entries, seen) if wanted(r))
+            for entry in entries:
+                record = entry_record(entry[1])
+                if record is not None and wanted(record):
+                    found.append(entry)
             if len(found) >= count or scanned >= TAIL_SCAN_LIMIT:
                 break
         return found[:count][::-1]
@@ -102,6 +137,25 @@ class LedgerReader:
                 break
         return found[:count][::-1]
 
+    async def generation_records(
+        self, replica: str, generation: int, upto_seq: int
+    ) -> list[dict[str, Any]]:
+        """The replica's records of ``generation`` with seq below ``upto_seq``, in chain order
+        (the history a request of that generation at ``upto_seq`` was served on)."""
+        after = "-"
+        for event in await self.generations(replica, count=100_000):
+            if event["generation"] == generation:
+                after = f"{max(0, _stream_id(event['id'])[0] - 60_000)}-0"
+        found: dict[int, dict[str, Any]] = {}
+        async for entries in self.replica_records(replica, after):
+            for record in _records(entries, set()):
+                gen, seq = record.get("generation"), record.get("seq")
+                if gen == generation and seq is not None and seq < upto_seq:
+                    found.setdefault(int(seq), record)
+            if len(found) >= upto_seq:
+                break
+        return [found[seq] for seq in sorted(found)]
+
     async def heads(self, replica_ids: Iterable[str]) -> dict[str, ChainHead | None]:
         ids = list(replica_ids)
         pipe = self._client.pipeline(transaction=False)
@@ -124,6 +178,11 @@ class LedgerReader:
             if len(entries) < PAGE:
                 return
             high = "(" + text(entries[-1][0])
+
+
+def _stream_id(entry_id: Any) -> tuple[int, int]:
+    ms, _, seq = text(entry_id).partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _entries(reply: Any) -> list[Entry]:

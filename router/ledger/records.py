@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
+
 from backends.base import EngineStats, GenerationRequest
-from router.ledger.chain import params_digest, request_digest, text_digest
-from router.ledger.core import Ledger
-from router.ledger.errors import LedgerError
+from router.ledger.chain import Advance, params_digest, request_digest, text_digest
 from router.ledger.keys import Profile
 
 
@@ -29,33 +29,51 @@ class Principal:
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """The chain head a request saw when it was admitted (the response headers carry it)."""
+    """What the proxy knows when a request is admitted: the replica and the generation it
+    knows locally; an eval request also knows the head under its turn (``seq``, ``state``)."""
 
     replica: str
     generation: int
-    seq: int | None
-    state: str | None
     engine_digest: str
-    pending: bool
     run: str | None = None
     warning: str | None = None  # continuity broken before this request (eval)
+    seq: int | None = None
+    state: str | None = None
 
     def headers(self, request_id: str) -> dict[str, str]:
+        """A stream's headers, sent before the chain steps (the last event carries the state)."""
         headers = {
             "X-Request-Id": request_id,
             "X-Kvl-Replica": self.replica,
             "X-Kvl-Generation": str(self.generation),
         }
-        if self.run is not None:
-            headers["X-Kvl-Run"] = self.run
-        if self.warning is not None:
-            headers["X-Kvl-Warning"] = self.warning
-        if self.pending:
-            headers["X-Kvl-Pending"] = "true"
-        else:
+        if self.seq is not None and self.state is not None:
             headers["X-Kvl-Seq"] = str(self.seq)
-            headers["X-Kvl-State"] = str(self.state)
-        return headers
+            headers["X-Kvl-State"] = self.state
+        return _eval_headers(headers, self.run, self.warning)
+
+
+def record_headers(record: dict[str, Any]) -> dict[str, str]:
+    """A JSON response's headers, from its record: the state the request's step advanced from."""
+    headers = {
+        "X-Request-Id": str(record["request_id"]),
+        "X-Kvl-Replica": str(record["replica"]),
+        "X-Kvl-Generation": str(record["generation"]),
+    }
+    if record["pending"]:
+        headers["X-Kvl-Pending"] = "true"
+    elif record["state_before"] is not None:
+        headers["X-Kvl-Seq"] = str(record["seq"])
+        headers["X-Kvl-State"] = str(record["state_before"])
+    return _eval_headers(headers, record["run"], record["warning"])
+
+
+def _eval_headers(headers: dict[str, str], run: str | None, warning: str | None) -> dict[str, str]:
+    if run is not None:
+        headers["X-Kvl-Run"] = run
+    if warning is not None:
+        headers["X-Kvl-Warning"] = warning
+    return headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +123,16 @@ def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
         "model": parts.model,
         "engine_digest": admission.engine_digest,
         "generation": admission.generation,
-        "seq": admission.seq,
-        "state_before": admission.state,
+        "seq": None,
+        "state_before": None,
         "state_after": None,
+        "state_known": None,
+        "stale": False,
+        "unordered": False,
         "exact": evaluating,
         "verified": None,
         "warning": admission.warning,
-        "pending": admission.pending,
+        "pending": False,
         "digest": request_digest(parts.model, request.prompt, sampling, outcome.output),
         "prompt_digest": text_digest(request.prompt),
         "params_digest": params_digest(sampling),
@@ -130,27 +151,34 @@ def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
     }
 
 
-async def commit(ledger: Ledger, record: dict[str, Any]) -> None:
-    """Advance the replica's chain by this request and queue its record.
+# Set by the chain step, in this order (the step script appends exactly these bytes).
+CHAIN_FIELDS = ("seq", "state_before", "state_after", "state_known", "stale", "unordered", "exact")
 
-    While Redis answers, the chain step is one Lua call and the record is written behind the
-    response. When it does not, the record keeps ``state_after: null, pending: true`` and goes to
-    the ledger's buffer and spool with its chain step, which runs in spool order once Redis is back.
-    """
-    if not record["pending"] and ledger.redis_up:
-        try:
-            step = await ledger.advance(
-                record["replica"],
-                record["generation"],
-                record["digest"],
-                request_id=record["request_id"],
-            )
-        except LedgerError:
-            pass
-        else:
-            record["state_after"] = step.state_after
-            record["exact"] = record["exact"] and not step.stale
-            ledger.submit(record)
-            return
-    record["pending"] = True
-    ledger.submit_pending(record)
+
+def template(record: dict[str, Any]) -> bytes:
+    """The record as JSON without its chain fields, for the step script to complete."""
+    return orjson.dumps({k: v for k, v in record.items() if k not in CHAIN_FIELDS})
+
+
+def chain_fields(step: Advance, exact: bool) -> dict[str, Any]:
+    """The chain fields of a record whose step answered ``step``."""
+    return {
+        "seq": step.seq,
+        "state_before": step.state_before,
+        "state_after": step.state_after,
+        "state_known": step.known,
+        "stale": step.stale,
+        "unordered": step.unordered,
+        "exact": exact and not step.stale and not step.unordered,
+    }
+
+
+def with_chain(data: bytes, fields: dict[str, Any]) -> bytes:
+    """The template completed by ``fields``: byte for byte what the step script stores."""
+    return (
+        data[:-1]
+        + b"".join(
+            b',"' + name.encode() + b'":' + orjson.dumps(fields[name]) for name in CHAIN_FIELDS
+        )
+        + b"}"
+    )

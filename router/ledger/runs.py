@@ -5,8 +5,10 @@
   complete input (model, prompt, sampling parameters) and its chain step, for snapshots;
   ``kvl:{run:ID}:lineage`` (written by the ledger's writer) holds the records.
 - ``kvl:runs`` sorted set (run id by start time), ``kvl:runs-live`` set (runs not yet ended).
-- ``kvl:arm:NAME``: the arm's current run, expiring after the arm's idle timeout (renewed per
-  request), so an idle run ends by itself; ``kvl:arm-seq`` hash numbers each arm's runs.
+- ``kvl:arm:NAME``: the arm's current run, expiring after the arm's idle timeout (renewed while
+  its requests run), so an idle run ends by itself; ``kvl:arm-seq`` hash numbers each arm's runs.
+- ``kvl:{run:ID}:owner``: the proxy instance beginning the run, with a short expiry its
+  heartbeat renews; a beginning run without it lost its proxy and is failed by whoever notices.
 - ``kvl:snapshots`` hash: name -> snapshot JSON (requests, fingerprint, engine digest).
 - ``kvl:replicas`` hash: replica id -> {model, reuse}, written by every proxy at start, so that
   ``kvledger keys create --cache off`` can check the fleet without a proxy.
@@ -22,15 +24,15 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from router.ledger.errors import redis_call
-from router.ledger.schema import PREFIX, text
+from router.ledger.schema import PREFIX, REPLICAS, text
 
 RUNS = PREFIX + "runs"
 RUNS_LIVE = PREFIX + "runs-live"
 ARM_SEQ = PREFIX + "arm-seq"
 SNAPSHOTS = PREFIX + "snapshots"
-REPLICAS = PREFIX + "replicas"
 # A run's request stream keeps this many entries; a snapshot can cover at most that many.
 REQUESTS_MAXLEN = 1_000_000
+PAGE = 1000
 
 
 def meta_key(run: str) -> str:
@@ -43,6 +45,10 @@ def requests_key(run: str) -> str:
 
 def arm_key(arm: str) -> str:
     return f"{PREFIX}arm:{arm}"
+
+
+def owner_key(run: str) -> str:
+    return f"{PREFIX}{{run:{run}}}:owner"
 
 
 def _fields(values: Mapping[str, str]) -> dict[FieldT, EncodableT]:
@@ -74,10 +80,29 @@ class RunStore:
         async with redis_call("number run", self._timeout):
             return int(await self._client.hincrby(ARM_SEQ, arm, 1))
 
-    async def touch(self, arm: str, run: str, ttl_ms: int) -> None:
-        """Keep the arm's current run alive for another idle timeout."""
+    async def touch(self, arm: str, run: str, ttl_ms: int) -> bool:
+        """Keep the arm's current run alive for another idle timeout; False when the arm no
+        longer points at ``run`` (it expired, or another run took its place)."""
         async with redis_call("touch arm", self._timeout):
-            await self._client.set(arm_key(arm), run, xx=True, px=ttl_ms)
+            current = await self._client.get(arm_key(arm))
+            if current is None or text(current) != run:
+                return False
+            return bool(await self._client.set(arm_key(arm), run, xx=True, px=ttl_ms))
+
+    # The begin's owner ------------------------------------------------------------------
+
+    async def own(self, run: str, owner: str, ttl_ms: int) -> None:
+        """Say (again) that ``owner`` is beginning ``run``, for ``ttl_ms``."""
+        async with redis_call("own run", self._timeout):
+            await self._client.set(owner_key(run), owner, px=ttl_ms)
+
+    async def owner_alive(self, run: str) -> bool:
+        async with redis_call("read run owner", self._timeout):
+            return bool(await self._client.exists(owner_key(run)))
+
+    async def disown(self, run: str) -> None:
+        async with redis_call("disown run", self._timeout):
+            await self._client.delete(owner_key(run))
 
     async def release(self, arm: str, run: str) -> None:
         """The arm has no current run any more (if ``run`` still is it)."""
@@ -135,14 +160,21 @@ class RunStore:
             )
 
     async def requests(self, run: str) -> list[dict[str, Any]]:
-        async with redis_call("read requests", self._timeout * 5):
-            entries = await self._client.xrange(requests_key(run), "-", "+")
+        """The run's recorded requests in order, read a page at a time (a large run would
+        not fit in one call within the proxy's socket timeout)."""
         out: list[dict[str, Any]] = []
-        for _id, fields in entries or []:
-            raw = (fields or {}).get(b"e") or (fields or {}).get("e")
-            if raw is not None:
-                out.append(orjson.loads(raw))
-        return out
+        low = "-"
+        while True:
+            async with redis_call("read requests", self._timeout):
+                page = await self._client.xrange(requests_key(run), low, "+", count=PAGE)
+            entries = list(page or [])
+            for _id, fields in entries:
+                raw = (fields or {}).get(b"e") or (fields or {}).get("e")
+                if raw is not None:
+                    out.append(orjson.loads(raw))
+            if len(entries) < PAGE:
+                return out
+            low = "(" + text(entries[-1][0])
 
     # Snapshots ----------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """The local spool: lineage jobs that could not (yet) be written to Redis, in submit order.
 
 Format: one JSON object per line, ``{"step": STEP, "record": RECORD}\\n``, appended with
-``O_APPEND``; ``STEP`` is null, or ``{"replica", "generation", "digest"}`` for a record whose
-chain step has not run yet. Next to it, ``<spool>.done`` holds the byte offset up to which the
+``O_APPEND``; ``STEP`` is null for a finished record (only its indexes are due), or
+``{"replica", "generation", "digest", "exact", "tried_ms"}`` for a record whose chain step has
+not run yet (its RECORD then lacks the chain fields; ``tried_ms`` is when a call that may have
+run it was sent, or null). Next to it, ``<spool>.done`` holds the byte offset up to which the
 lines are in Redis (replaced atomically by rename). Draining reads from that offset; when
 everything is drained the file is truncated, after a durable marker of 0, so a crash at any
 point loses nothing: at worst a batch is written again (readers drop repeated request ids, and
@@ -36,6 +38,8 @@ class Step:
     replica: str
     generation: int
     digest: str
+    exact: bool = False
+    tried_ms: int | None = None  # a call that may have run it was sent then (epoch ms)
 
 
 @dataclass(slots=True, eq=False)
@@ -55,7 +59,13 @@ class Job:
 
 
 def _step_json(step: Step) -> dict[str, Any]:
-    return {"replica": step.replica, "generation": step.generation, "digest": step.digest}
+    return {
+        "replica": step.replica,
+        "generation": step.generation,
+        "digest": step.digest,
+        "exact": step.exact,
+        "tried_ms": step.tried_ms,
+    }
 
 
 def job_from_record(record: dict[str, Any], data: bytes, step: Step | None) -> Job:
@@ -68,7 +78,16 @@ def job_from_line(line: bytes) -> Job:
     obj = orjson.loads(line)
     record = obj["record"]
     raw = obj["step"]
-    step = None if raw is None else Step(raw["replica"], int(raw["generation"]), raw["digest"])
+    step = None
+    if raw is not None:
+        tried = raw.get("tried_ms")
+        step = Step(
+            raw["replica"],
+            int(raw["generation"]),
+            raw["digest"],
+            bool(raw.get("exact", False)),
+            None if tried is None else int(tried),
+        )
     return job_from_record(record, orjson.dumps(record), step)
 
 

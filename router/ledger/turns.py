@@ -3,16 +3,20 @@
 Every key here carries its replica's hash tag, so each script touches one slot:
 
 - ``kvl:{replica:ID}:lease``: the run holding the replica (``SET NX PX``, renewed per request);
-- ``kvl:{replica:ID}:resetting``: a verified reset is under way (other proxies' monitors skip
-  the replica, so the counters going back to zero do not read as a restart);
+- ``kvl:{replica:ID}:resetting``: a verified reset is under way: its owner (a proxy instance)
+  with a short expiry that the owner's heartbeat renews (other proxies' monitors skip the
+  replica, so the counters going back to zero do not read as a restart); next to it
+  ``kvl:{replica:ID}:reset``, the reset's intent (owner, run, reason, started), which lives
+  until the reset ends: an intent without its heartbeat is a reset whose owner died, which any
+  proxy's monitor takes over and finishes (``router.eval.recovery``);
 - ``kvl:{replica:ID}:queue`` (list of tickets, in arrival order), ``:waiters`` (ticket ->
   deadline in ms, refreshed while its request waits; a dead waiter's ticket is dropped),
   ``:turn`` (the fence token of the request being served, with expiry, renewed while it runs),
   ``:fence`` (the token counter) and ``:run`` (the run and the replica's request counter after
   the run's last request, for continuity).
 
-The fenced chain step advances the chain only while the caller's token holds the turn, so a
-holder whose turn expired (a stalled proxy) cannot advance a chain someone else now serves.
+The fenced chain step (``router.ledger.scripts``) checks that the caller's token still holds the
+turn, so a holder whose turn expired (a stalled proxy) cannot pass its step off as ordered.
 One global key, ``kvl:lease-lock``, serialises lease decisions, which are rare, so the number
 of replicas left to production is checked against every proxy's leases at once.
 """
@@ -26,16 +30,12 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT
 
-from router.ledger.chain import Advance
 from router.ledger.errors import LedgerUnavailable, redis_call
-from router.ledger.schema import PREFIX, advance_from, cache_key, lease_key, text
+from router.ledger.schema import PREFIX, lease_key, replica_key, text
 
 LEASE_LOCK = PREFIX + "lease-lock"
-
-
-def _key(replica: str, name: str) -> str:
-    return f"{PREFIX}{{replica:{replica}}}:{name}"
 
 
 # KEYS queue, waiters, tickets. ARGV waiter ttl ms. Returns the new ticket.
@@ -88,26 +88,38 @@ end
 return 0
 """
 
+# KEYS resetting, intent. ARGV owner, ttl ms, run, reason, started. A reset begins unless one is
+# under way (returns its owner instead).
+BEGIN_RESET_LUA = """
+local owner = redis.call('GET', KEYS[1])
+if owner then return owner end
+if redis.call('EXISTS', KEYS[2]) == 1 then return redis.call('HGET', KEYS[2], 'owner') or '?' end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[2], 'owner', ARGV[1], 'run', ARGV[3], 'reason', ARGV[4],
+           'started', ARGV[5])
+return ''
+"""
+
+# KEYS resetting, intent. ARGV owner, ttl ms. Take over a reset whose owner's heartbeat is gone.
+TAKE_OVER_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 0 then return {} end
+local dead = redis.call('HGET', KEYS[2], 'owner') or '?'
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[2], 'owner', ARGV[1], 'dead_owner', dead)
+return redis.call('HGETALL', KEYS[2])
+"""
+
+# KEYS resetting, intent. ARGV owner: the reset ended; only its owner may say so.
+END_RESET_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+if redis.call('HGET', KEYS[2], 'owner') == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
 # KEYS[1] a key. ARGV value: delete it only while it still holds value.
 FREE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
-"""
-
-# KEYS cache, turn, run. ARGV generation, digest, token, run id, counter after the request.
-# The chain step of an eval request: only while the token holds the turn.
-FENCED_ADVANCE_LUA = """
-if redis.call('GET', KEYS[2]) ~= ARGV[3] then return 'fenced' end
-local cur = redis.call('HMGET', KEYS[1], 'generation', 'seq', 'state')
-if not cur[1] then return 'unknown' end
-redis.call('HSET', KEYS[3], 'run', ARGV[4], 'count', ARGV[5])
-if cur[1] ~= ARGV[1] then
-  return table.concat({'stale', cur[1], cur[2], cur[3], cur[3]}, ' ')
-end
-local after = redis.sha1hex(cur[3] .. '|' .. ARGV[2])
-local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
-redis.call('HSET', KEYS[1], 'state', after)
-return table.concat({'ok', cur[1], tostring(seq), cur[3], after}, ' ')
 """
 
 
@@ -137,7 +149,9 @@ class Turns:
         self._release = client.register_script(RELEASE_LUA)
         self._renew = client.register_script(RENEW_LUA)
         self._free = client.register_script(FREE_LUA)
-        self._fenced = client.register_script(FENCED_ADVANCE_LUA)
+        self._begin_reset = client.register_script(BEGIN_RESET_LUA)
+        self._take_over = client.register_script(TAKE_OVER_LUA)
+        self._end_reset = client.register_script(END_RESET_LUA)
 
     # Leases ----------------------------------------------------------------------------------
 
@@ -163,7 +177,7 @@ class Turns:
         pipe = self._client.pipeline(transaction=False)
         for replica in ids:
             pipe.get(lease_key(replica))
-            pipe.exists(_key(replica, "resetting"))
+            pipe.exists(replica_key(replica, "resetting"))
         async with redis_call("read leases", self._timeout):
             replies = await pipe.execute()
         return {
@@ -193,27 +207,65 @@ class Turns:
             with contextlib.suppress(Exception):
                 await self._free(keys=[LEASE_LOCK], args=[token])
 
-    async def mark_resetting(self, replica: str, ttl_ms: int) -> None:
-        async with redis_call("mark reset", self._timeout):
-            await self._client.set(_key(replica, "resetting"), "1", px=ttl_ms)
+    def _reset_keys(self, replica: str) -> list[str]:
+        return [replica_key(replica, "resetting"), replica_key(replica, "reset")]
 
-    async def clear_resetting(self, replica: str) -> None:
-        async with redis_call("clear reset mark", self._timeout):
-            await self._client.delete(_key(replica, "resetting"))
+    async def begin_reset(self, replica: str, owner: str, ttl_ms: int, **intent: str) -> str:
+        """Mark a reset under way; '' when marked, else the owner of the reset under way."""
+        args: list[EncodableT] = [
+            owner,
+            ttl_ms,
+            intent.get("run", ""),
+            intent.get("reason", ""),
+            intent["started"],
+        ]
+        async with redis_call("begin reset", self._timeout):
+            return text(await self._begin_reset(keys=self._reset_keys(replica), args=args))
+
+    async def reset_heartbeat(self, replica: str, owner: str, ttl_ms: int) -> bool:
+        """Renew the reset's mark; False when this owner no longer holds it."""
+        async with redis_call("reset heartbeat", self._timeout):
+            keys = [replica_key(replica, "resetting")]
+            return bool(await self._renew(keys=keys, args=[owner, ttl_ms]))
+
+    async def end_reset(self, replica: str, owner: str) -> None:
+        async with redis_call("end reset", self._timeout):
+            await self._end_reset(keys=self._reset_keys(replica), args=[owner])
+
+    async def orphaned_resets(self, replicas: Iterable[str]) -> list[str]:
+        """Replicas whose reset intent has outlived its owner's heartbeat."""
+        ids = list(replicas)
+        pipe = self._client.pipeline(transaction=False)
+        for replica in ids:
+            pipe.exists(*self._reset_keys(replica))
+            pipe.exists(replica_key(replica, "resetting"))
+        async with redis_call("read resets", self._timeout):
+            replies = await pipe.execute()
+        # EXISTS of both keys counts 1 when only the intent (or only the mark) is left.
+        return [r for i, r in enumerate(ids) if replies[2 * i] == 1 and not replies[2 * i + 1]]
+
+    async def take_over_reset(self, replica: str, owner: str, ttl_ms: int) -> dict[str, str]:
+        """The orphaned reset's intent, now this owner's; {} when there is none to take."""
+        async with redis_call("take over reset", self._timeout):
+            raw = await self._take_over(keys=self._reset_keys(replica), args=[owner, ttl_ms])
+        values = [text(v) for v in raw or []]
+        return dict(zip(values[::2], values[1::2], strict=True))
 
     # Continuity -----------------------------------------------------------------------------
 
     async def set_run_counter(self, replica: str, run: str, count: int) -> None:
         async with redis_call("set run counter", self._timeout):
-            await self._client.hset(_key(replica, "run"), mapping={"run": run, "count": count})
+            await self._client.hset(
+                replica_key(replica, "run"), mapping={"run": run, "count": count}
+            )
 
     # Turns ----------------------------------------------------------------------------------
 
     def _queue_keys(self, replica: str) -> list[str]:
-        return [_key(replica, "queue"), _key(replica, "waiters")]
+        return [replica_key(replica, "queue"), replica_key(replica, "waiters")]
 
     async def enqueue(self, replica: str, waiter_ttl_ms: int) -> str:
-        keys = [*self._queue_keys(replica), _key(replica, "tickets")]
+        keys = [*self._queue_keys(replica), replica_key(replica, "tickets")]
         async with redis_call("enqueue", self._timeout):
             return text(await self._enqueue(keys=keys, args=[waiter_ttl_ms]))
 
@@ -223,9 +275,9 @@ class Turns:
         """The turn if it is this ticket's; None to wait; TurnLost if the ticket was dropped."""
         keys = [
             *self._queue_keys(replica),
-            _key(replica, "turn"),
-            _key(replica, "fence"),
-            _key(replica, "run"),
+            replica_key(replica, "turn"),
+            replica_key(replica, "fence"),
+            replica_key(replica, "run"),
         ]
         async with redis_call("acquire turn", self._timeout):
             raw = await self._acquire(keys=keys, args=[ticket, waiter_ttl_ms, turn_ttl_ms])
@@ -238,21 +290,10 @@ class Turns:
 
     async def renew_turn(self, turn: Turn, ttl_ms: int) -> bool:
         async with redis_call("renew turn", self._timeout):
-            keys = [_key(turn.replica, "turn")]
+            keys = [replica_key(turn.replica, "turn")]
             return bool(await self._renew(keys=keys, args=[turn.token, ttl_ms]))
 
     async def release(self, replica: str, ticket: str, token: str = "") -> None:
-        keys = [*self._queue_keys(replica), _key(replica, "turn")]
+        keys = [*self._queue_keys(replica), replica_key(replica, "turn")]
         async with redis_call("release turn", self._timeout):
             await self._release(keys=keys, args=[ticket, token])
-
-    async def fenced_advance(
-        self, turn: Turn, generation: int, digest: str, run: str, count: int
-    ) -> Advance | None:
-        """The chain step under the turn; None when the turn was lost (fenced out)."""
-        keys = [cache_key(turn.replica), _key(turn.replica, "turn"), _key(turn.replica, "run")]
-        async with redis_call("fenced advance", self._timeout):
-            raw = await self._fenced(keys=keys, args=[generation, digest, turn.token, run, count])
-        if text(raw) == "fenced":
-            return None
-        return advance_from(turn.replica, raw)

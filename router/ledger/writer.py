@@ -1,4 +1,10 @@
-"""The background writer: lineage jobs go to Redis in batches, or to the spool until it is back.
+"""The background writer: late chain steps and record indexes go to Redis in batches, or to the
+spool until it is back.
+
+Two kinds of job: a *step* job (a request whose chain step could not run when it ended: it
+runs here, and the step script writes its record into the replica's stream) and an *index* job
+(a finished record's ``kvl:req:ID`` copy and, for eval runs, its entry in the run's stream:
+writes that may be repeated, since readers drop duplicates by request id).
 
 Order: every job is submitted to the tail of one in-memory buffer. The writer moves jobs from
 its head, either to Redis or to the end of the spool, so every line in the spool is older than
@@ -18,6 +24,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,18 +33,18 @@ import redis.asyncio as aioredis
 import structlog
 from redis.typing import EncodableT
 
-from router.ledger.chain import Advance
 from router.ledger.errors import REDIS_FAILURES
+from router.ledger.records import chain_fields, with_chain
 from router.ledger.schema import (
-    LINEAGE,
-    Scripts,
     advance_from,
     cache_key,
+    replica_lineage_key,
     request_key,
     run_lineage_key,
     step_key,
     stream_fields,
 )
+from router.ledger.scripts import Scripts
 from router.ledger.spool import Job, Spool, job_from_line
 
 BATCH = 256  # records per Redis pipeline and per spool write
@@ -51,10 +58,11 @@ class LedgerConfig:
     spool_path: Path = Path("kvledger-spool.jsonl")
     spool_fsync_every: int = 64  # records, or
     spool_fsync_after_s: float = 0.05  # since the oldest unsynced one
-    # How long a chain step called with a request id remembers its answer, so that a retry
-    # (its reply was lost) cannot step twice. Per-request keys: short for the request path;
-    # spooled steps keep theirs for request_ttl_s, as they may be retried after a restart.
-    step_ttl_s: int = 600
+    # How long a chain step remembers its answer, so that a retry (its reply was lost) neither
+    # steps nor writes twice. One small key per request for this long. A step sent without an
+    # answer and retried later than this (a proxy down for longer) cannot tell whether it ran:
+    # it moves the chain to an unknown state and says so (``unordered``), see _run_steps.
+    step_ttl_s: int = 3600
     redis_timeout_s: float = 0.5
     retry_interval_s: float = 0.5
     close_timeout_s: float = 5.0
@@ -67,8 +75,10 @@ class Writer:
         scripts: Scripts,
         config: LedgerConfig,
         log: structlog.typing.FilteringBoundLogger,
+        ensure_unknown: Callable[[str, str], Awaitable[None]],
     ) -> None:
         self._client, self._scripts, self._cfg, self._log = client, scripts, config, log
+        self._ensure_unknown = ensure_unknown
         self.spool = Spool(config.spool_path, log)
         self.buffer: deque[Job] = deque()
         self.redis_up = True
@@ -87,6 +97,10 @@ class Writer:
         if len(self.buffer) >= self._cfg.buffer_size:
             self.spill(BATCH)
         self._wake.set()
+
+    def index(self, request_id: str, run: object, data: bytes) -> None:
+        """Queue a finished record's indexes (``kvl:req:ID``, the run's stream)."""
+        self.put(Job(request_id, None if run is None else str(run), data))
 
     def drop(self, request_id: str, reason: str) -> None:
         self.dropped_total += 1
@@ -265,44 +279,65 @@ class Writer:
     async def _run_steps(self, jobs: list[Job], from_buffer: bool) -> None:
         if not jobs:
             return
-        pipe = self._client.pipeline(transaction=False)
-        for job in jobs:
+        replies = await self._pipeline_steps(jobs)
+        lost = [
+            job for job, reply in zip(jobs, replies, strict=True) if advance_from("", reply) is None
+        ]
+        for job in lost:  # Redis lost the chain meanwhile: an unknown one, then the step (stale)
             assert job.step is not None
-            keys = [cache_key(job.step.replica), step_key(job.step.replica, job.request_id)]
-            args: list[EncodableT] = [job.step.generation, job.step.digest, self._cfg.request_ttl_s]
-            await self._scripts.advance(keys=keys, args=args, client=pipe)
-        async with asyncio.timeout(self._cfg.redis_timeout_s):
-            replies = await pipe.execute()
+            await self._ensure_unknown(job.step.replica, _engine(job.data))
+        if lost:
+            replies = await self._pipeline_steps(jobs)
         for job, reply in zip(jobs, replies, strict=True):
             assert job.step is not None
-            job.data = _fill(job.data, advance_from(job.step.replica, reply))
+            step = advance_from(job.step.replica, reply)
+            if step is None:
+                raise ConnectionError("the chain vanished twice in one batch")
+            job.data = with_chain(job.data, chain_fields(step, job.step.exact))
             # Still in the buffer unless put() spooled it meanwhile (spill counted it then).
             self.steps_in_buffer -= from_buffer and job.spool_end is None
             job.step = None
+
+    async def _pipeline_steps(self, jobs: list[Job]) -> list[object]:
+        """Every job's step in one pipeline. A step that was sent before and may have run
+        long ago (its step key may have expired) is run as *uncertain*: see ``scripts``."""
+        pipe = self._client.pipeline(transaction=False)
+        horizon = time.time() * 1000 - (self._cfg.step_ttl_s - 60) * 1000
+        for job in jobs:
+            step = job.step
+            assert step is not None
+            keys = [
+                cache_key(step.replica),
+                step_key(step.replica, job.request_id),
+                replica_lineage_key(step.replica),
+            ]
+            args: list[EncodableT] = [
+                step.generation,
+                step.digest,
+                job.data,
+                self._cfg.step_ttl_s,
+                self._cfg.lineage_maxlen,
+                int(step.exact),
+                job.request_id,
+            ]
+            uncertain = step.tried_ms is not None and step.tried_ms < horizon
+            script = self._scripts.uncertain_step if uncertain else self._scripts.step
+            await script(keys=keys, args=args, client=pipe)
+        async with asyncio.timeout(self._cfg.redis_timeout_s):
+            replies: list[object] = await pipe.execute()
+        return replies
 
     async def _write(self, jobs: list[Job]) -> None:
         if not jobs:
             return
         pipe = self._client.pipeline(transaction=False)
         for job in jobs:
-            fields = stream_fields(job.request_id, job.data)
-            pipe.xadd(LINEAGE, fields, maxlen=self._cfg.lineage_maxlen, approximate=True)
             pipe.set(request_key(job.request_id), job.data, ex=self._cfg.request_ttl_s)
             if job.run is not None:
-                pipe.xadd(run_lineage_key(job.run), fields)
+                pipe.xadd(run_lineage_key(job.run), stream_fields(job.request_id, job.data))
         async with asyncio.timeout(self._cfg.redis_timeout_s):
             await pipe.execute()
 
 
-def _fill(data: bytes, step: Advance | None) -> bytes:
-    """The record with its late chain step: ``seq`` and ``state_before`` name the head the step
-    started from (as for a head read at admission), ``state_after`` where it moved."""
-    record = orjson.loads(data)
-    record["pending"] = True
-    if step is None or step.stale:
-        record["stale"] = True  # its generation ended (reset, restart) before Redis was back
-    else:
-        record["seq"] = step.seq - 1
-        record["state_before"] = step.state_before
-        record["state_after"] = step.state_after
-    return orjson.dumps(record)
+def _engine(data: bytes) -> str:
+    return str(orjson.loads(data).get("engine_digest", ""))
