@@ -283,10 +283,15 @@ class Runs:
             return "draining"
         if replica.leased_by is not None:
             return f"leased by run {replica.leased_by}"
+        # Only the production pool counts: an eval-only replica left free serves no production.
         left = sum(
             1
             for r in serving
-            if r is not replica and r.healthy and not r.draining and r.leased_by is None
+            if r is not replica
+            and r.production
+            and r.healthy
+            and not r.draining
+            and r.leased_by is None
         )
         minimum = self.settings.min_production_replicas
         if left < minimum:
