@@ -33,12 +33,11 @@ import heapq
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from policies import Policy, ReplicaView, RequestFeatures
+from policies import MAX_PREFIX_BLOCKS, Policy, ReplicaView, RequestFeatures
 
 TOKENS_PER_BLOCK = 16
-MAX_PREFIX_BLOCKS = 256  # what the proxy hashes (router/dispatch.py)
 BASE_S = 0.02
 PREFILL_S = 0.0002  # per uncached prompt token
 DECODE_S = 0.01  # per reply token
@@ -68,15 +67,15 @@ class Workload:
 class Shape:
     """The traffic per replica; the fleet's rate and conversation count scale with it."""
 
-    conversations_per_replica: int = 60
-    rate_per_replica: float = 1.0  # new conversations per second per replica
+    conversations_per_replica: int = 100
+    rate_per_replica: float = 2.0  # new conversations per second per replica
     systems: int = 6
     zipf_s: float = 1.1
     system_blocks: tuple[int, int] = (32, 128)  # 512 to 2,048 tokens
     turns: tuple[int, int] = (2, 8)
     user_blocks: tuple[int, int] = (1, 12)
     reply_blocks: tuple[int, int] = (2, 8)
-    think_mean_s: float = 8.0
+    think_mean_s: float = 4.0
 
 
 def make_workload(replicas: int, shape: Shape, seed: int) -> Workload:
@@ -130,9 +129,13 @@ class BlockCache:
 
 @dataclass
 class Outcome:
+    """What one simulated run measured."""
+
     prompt_tokens: int = 0
     reused_tokens: int = 0
-    busy_s: dict[str, float] | None = None
+    requests: int = 0
+    busy_s: dict[str, float] = field(default_factory=dict)
+    span_s: float = 0.0  # first arrival to last completion
 
     @property
     def reuse_rate(self) -> float:
@@ -140,8 +143,15 @@ class Outcome:
 
     @property
     def max_over_mean(self) -> float:
-        busy = list((self.busy_s or {}).values())
-        return max(busy) / (sum(busy) / len(busy)) if busy and sum(busy) else 0.0
+        """The busiest replica's busy time over the mean busy time."""
+        busy = list(self.busy_s.values())
+        return max(busy) * len(busy) / sum(busy) if busy and sum(busy) else 0.0
+
+    @property
+    def mean_in_flight(self) -> float:
+        """Requests in flight per replica, averaged over the run."""
+        busy = list(self.busy_s.values())
+        return sum(busy) / len(busy) / self.span_s if busy and self.span_s else 0.0
 
 
 class _Chains:
@@ -161,18 +171,70 @@ class _Chains:
         return self.systems[conv.system] + chain[:length]
 
 
-class _Fleet:
-    """Replicas' caches and busy time, and each proxy's in-flight views of them."""
+# A pending event: (time, tie-breaker, conversation, turn, the request's route or None).
+_Event = tuple[float, int, Conversation, int, "_Route | None"]
 
-    def __init__(self, ids: Sequence[str], capacity: int, proxies: int) -> None:
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    proxy: int
+    replica: str
+    cached_after: tuple[str, ...]  # prompt and reply blocks, cached when the request ends
+
+
+class _Run:
+    """One simulated run: replicas' caches and busy time, each proxy's in-flight views."""
+
+    def __init__(
+        self, ids: Sequence[str], capacity: int, policies: Sequence[Policy], seed: int
+    ) -> None:
+        self.ids = list(ids)
         self.caches = {rid: BlockCache(capacity) for rid in ids}
-        self.busy = dict.fromkeys(ids, 0.0)
+        self.policies = list(policies)
+        proxies = max(1, len(self.policies))
         self.views = [
             [ReplicaView(rid, True, False, False, 0) for rid in ids] for _ in range(proxies)
         ]
         self.slot = {rid: i for i, rid in enumerate(ids)}
+        self.pick = random.Random(seed)
+        self.outcome = Outcome(busy_s=dict.fromkeys(ids, 0.0))
 
-    def add(self, proxy: int, rid: str, delta: int) -> None:
+    def arrive(
+        self, now: float, chains: _Chains, conv: Conversation, turn: int
+    ) -> tuple[float, _Route]:
+        """Route one turn's request and start it; when it ends and what it will cache."""
+        done = sum(conv.user_blocks[: turn + 1]) + sum(conv.reply_blocks[:turn])
+        prompt = chains.blocks(conv, done)
+        proxy = self.pick.randrange(len(self.views))
+        rid = self._route(proxy, prompt, now) if self.policies else self.ids[0]
+        reused = self.caches[rid].reuse(prompt)
+        out = self.outcome
+        out.requests += 1
+        out.prompt_tokens += len(prompt) * TOKENS_PER_BLOCK
+        out.reused_tokens += reused * TOKENS_PER_BLOCK
+        uncached = (len(prompt) - reused) * TOKENS_PER_BLOCK
+        reply = conv.reply_blocks[turn] * TOKENS_PER_BLOCK
+        service = BASE_S + PREFILL_S * uncached + DECODE_S * reply
+        out.busy_s[rid] += service
+        cached_after = chains.blocks(conv, done + conv.reply_blocks[turn])
+        return now + service, _Route(proxy, rid, cached_after)
+
+    def finish(self, route: _Route) -> None:
+        self.caches[route.replica].store(route.cached_after)
+        if self.policies:
+            self._count(route.proxy, route.replica, -1)
+            self.policies[route.proxy].on_finish(route.replica)
+
+    def _route(self, proxy: int, prompt: tuple[str, ...], now: float) -> str:
+        policy = self.policies[proxy]
+        tokens = len(prompt) * TOKENS_PER_BLOCK
+        features = RequestFeatures(prompt[:MAX_PREFIX_BLOCKS], tokens, "m")
+        decision = policy.select(features, self.views[proxy])
+        policy.on_start(decision.replica, features, now)
+        self._count(proxy, decision.replica, +1)
+        return decision.replica
+
+    def _count(self, proxy: int, rid: str, delta: int) -> None:
         views, i = self.views[proxy], self.slot[rid]
         views[i] = ReplicaView(rid, True, False, False, views[i].in_flight + delta)
 
@@ -186,54 +248,26 @@ def simulate(
     proxies: int = 1,
     seed: int = 0,
 ) -> Outcome:
-    """Play the workload through ``proxies`` instances of a policy (None: the oracle)."""
-    oracle = make_policy is None
-    ids = ["oracle"] if oracle else [f"r{i + 1}" for i in range(replicas)]
-    fleet = _Fleet(ids, capacity * replicas if oracle else capacity, proxies)
-    policies = [] if make_policy is None else [make_policy() for _ in range(proxies)]
-    chains, pick, outcome = _Chains(workload), random.Random(seed), Outcome()
-    # Events: (time, order, kind, conversation, turn, payload); kind 0 = a turn arrives.
-    events: list[tuple[float, int, int, Conversation, int, tuple[object, ...]]] = []
-    for conv in workload.conversations:
-        events.append((conv.arrival, conv.id, 0, conv, 0, ()))
+    """Play the workload through ``proxies`` instances of a policy; None is the oracle."""
+    if make_policy is None:
+        run = _Run(["oracle"], capacity * replicas, [], seed)
+    else:
+        ids = [f"r{i + 1}" for i in range(replicas)]
+        run = _Run(ids, capacity, [make_policy() for _ in range(proxies)], seed)
+    chains = _Chains(workload)
+    events: list[_Event] = [(c.arrival, c.id, c, 0, None) for c in workload.conversations]
     heapq.heapify(events)
-    order = len(workload.conversations)
+    order = len(events)
+    now = 0.0
     while events:
-        now, _, kind, conv, turn, payload = heapq.heappop(events)
-        if kind == 1:
-            proxy, rid, stored = payload
-            assert isinstance(proxy, int) and isinstance(rid, str) and isinstance(stored, tuple)
-            fleet.caches[rid].store(stored)
-            if not oracle:
-                fleet.add(proxy, rid, -1)
-                policies[proxy].on_finish(rid)
-            if turn + 1 < len(conv.user_blocks):
-                order += 1
-                arrival = now + conv.think_s[turn + 1]
-                heapq.heappush(events, (arrival, order, 0, conv, turn + 1, ()))
-            continue
-        done = sum(conv.user_blocks[: turn + 1]) + sum(conv.reply_blocks[:turn])
-        prompt = chains.blocks(conv, done)
-        proxy = pick.randrange(proxies)
-        rid = ids[0] if oracle else _route(policies[proxy], fleet.views[proxy], prompt, now)
-        if not oracle:
-            fleet.add(proxy, rid, +1)
-        reused = fleet.caches[rid].reuse(prompt)
-        tokens, uncached = len(prompt) * TOKENS_PER_BLOCK, (len(prompt) - reused) * TOKENS_PER_BLOCK
-        outcome.prompt_tokens += tokens
-        outcome.reused_tokens += reused * TOKENS_PER_BLOCK
-        reply = conv.reply_blocks[turn] * TOKENS_PER_BLOCK
-        service = BASE_S + PREFILL_S * uncached + DECODE_S * reply
-        fleet.busy[rid] += service
-        stored = chains.blocks(conv, done + conv.reply_blocks[turn])
+        now, _, conv, turn, route = heapq.heappop(events)
         order += 1
-        heapq.heappush(events, (now + service, order, 1, conv, turn, (proxy, rid, stored)))
-    outcome.busy_s = fleet.busy
-    return outcome
-
-
-def _route(policy: Policy, views: list[ReplicaView], prompt: tuple[str, ...], now: float) -> str:
-    features = RequestFeatures(prompt[:MAX_PREFIX_BLOCKS], len(prompt) * TOKENS_PER_BLOCK, "m")
-    decision = policy.select(features, views)
-    policy.on_start(decision.replica, features, now)
-    return decision.replica
+        if route is None:
+            end, started = run.arrive(now, chains, conv, turn)
+            heapq.heappush(events, (end, order, conv, turn, started))
+            continue
+        run.finish(route)
+        if turn + 1 < len(conv.user_blocks):
+            heapq.heappush(events, (now + conv.think_s[turn + 1], order, conv, turn + 1, None))
+    run.outcome.span_s = now - workload.conversations[0].arrival
+    return run.outcome

@@ -86,21 +86,13 @@ def run_list(args: argparse.Namespace) -> int:
         print_json_lines(replicas)
     else:
         columns = (
-            *("id", "pool", "healthy", "draining", "lease"),
-            *("in_flight", "generation", "seq", "state"),
+            *("id", "healthy", "draining", "lease", "in_flight", "generation", "seq"),
+            *("state", "pool"),
         )
-        fields = (
-            "id",
-            "pool",
-            "healthy",
-            "draining",
-            "leased_by",
-            "in_flight",
-            "generation",
-            "seq",
-        )
+        fields = ("id", "healthy", "draining", "leased_by", "in_flight", "generation", "seq")
         rows = [
-            [*(r.get(f) for f in fields), (r.get("state") or "")[:12] or None] for r in replicas
+            [*(r.get(f) for f in fields), (r.get("state") or "")[:12] or None, r.get("pool")]
+            for r in replicas
         ]
         print_table(columns, rows)
     if body.get("redis") is False:
