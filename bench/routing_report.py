@@ -66,6 +66,41 @@ def simulation_lines(sim: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def summary_lines(sim: Mapping[str, Any], first: int = 8) -> list[str]:
+    """One line per policy: its range of share of oracle and worst load from ``first`` up."""
+    sizes = [s for s in sim["sizes"] if s["replicas"] >= first] or sim["sizes"]
+    span = f"{sizes[0]['replicas']} to {sizes[-1]['replicas']} replicas"
+    lines = [f"At {span}:", ""]
+    for name in reversed(POLICIES):
+        shares = [s["policies"][name]["reuse"] / s["oracle"]["reuse"] for s in sizes]
+        load = max(s["policies"][name]["max_over_mean"] for s in sizes)
+        line = (
+            f"- `{name}`: {_pct(min(shares))} to {_pct(max(shares))} of the oracle's reuse,"
+            f" max/mean load at most {load:.2f}"
+        )
+        if name in TWO_PROXIES:
+            pair = [s["two_proxies"][name]["reuse"] / s["oracle"]["reuse"] for s in sizes]
+            line += f"; with two proxies {_pct(min(pair))} to {_pct(max(pair))}"
+        lines.append(line + ".")
+    return lines
+
+
+READING = [
+    "How to read it. Most prompt tokens are the shared system prompts, which every policy"
+    " ends up caching on every replica, so even `round_robin` reuses most tokens; the policies"
+    " differ in the conversations' own turns. `prefix_affinity` (first block) sends every"
+    " conversation of a system prompt to one home: under bounded load the popular ones spill,"
+    " their follow-ups land on replicas that never saw them, and the homes run hot."
+    " `longest_prefix` loses against the oracle mostly because each replica holds its own copy"
+    " of every system prompt (less room for conversations than in one big cache), and much"
+    " less because a follow-up over its bound is recomputed elsewhere. With two proxies it"
+    " loses more: a new conversation that one proxy spilled away from its rendezvous home (the"
+    " load bound at work) is sent home by the other proxy, which does not know about the"
+    " spill; without the bound the two would agree on every conversation, at the price of"
+    " load.",
+]
+
+
 def real_lines(real: Mapping[str, Any]) -> list[str]:
     """The real run's section: cached share of prompt tokens per policy, through the proxy."""
     lines = [
@@ -104,8 +139,9 @@ def markdown(results: Mapping[str, Any], plot_name: str) -> str:
         "",
     ]
     if "simulation" in results:
+        sim = results["simulation"]
         lines += [f"![reuse and load per policy]({plot_name})", ""]
-        lines += simulation_lines(results["simulation"]) + [""]
+        lines += simulation_lines(sim) + [""] + summary_lines(sim) + [""] + READING + [""]
     if "real" in results:
         lines += real_lines(results["real"]) + [""]
     return "\n".join(lines)
@@ -119,7 +155,8 @@ def chart(sim: Mapping[str, Any], path: Path) -> None:
     for name in POLICIES:
         share = [s["policies"][name]["reuse"] / s["oracle"]["reuse"] * 100 for s in sizes]
         line = reuse.plot(xs, share, marker="o", label=name)[0]
-        load.plot(xs, [s["policies"][name]["max_over_mean"] for s in sizes], marker="o")
+        loads = [s["policies"][name]["max_over_mean"] for s in sizes]
+        load.plot(xs, loads, marker="o", color=line.get_color(), label=name)
         if name in TWO_PROXIES:
             pair = [s["two_proxies"][name]["reuse"] / s["oracle"]["reuse"] * 100 for s in sizes]
             reuse.plot(xs, pair, "--", color=line.get_color(), label=f"{name}, two proxies")
@@ -132,6 +169,7 @@ def chart(sim: Mapping[str, Any], path: Path) -> None:
     reuse.set_ylabel("reuse, % of the single-cache oracle")
     load.set_ylabel("max / mean busy time per replica")
     reuse.legend(fontsize=8)
+    load.legend(fontsize=8)
     figure.suptitle("Prefix-cache reuse and load by routing policy (simulation)")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
