@@ -124,7 +124,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def command_line() -> str:
-    return ".venv/bin/python -m bench.routing " + shlex.join(sys.argv[1:])
+    return (".venv/bin/python -m bench.routing " + shlex.join(sys.argv[1:])).strip()
 
 
 def write(out: Path, part: str, figures_: dict[str, Any]) -> None:
