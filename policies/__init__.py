@@ -1,8 +1,8 @@
 """Routing policies: pure functions from request features and replica views to a decision.
 
-Choose one by name from ``POLICIES`` (``make_policy("prefix_affinity", load_factor=1.5)``).
-Every policy passes over replicas that are unhealthy, leased or draining, and raises
-``NoReplicaAvailable`` when nothing is left.
+Choose one by name from ``POLICIES`` (``make_policy("longest_prefix", load_factor=1.5)``).
+Every policy passes over replicas that are eval-only, unhealthy, leased or draining, and raises
+``NoReplicaAvailable`` when nothing is left. ``longest_prefix`` is the default.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Literal, get_args
 
 from policies.base import (
+    MAX_PREFIX_BLOCKS,
     Decision,
     NoReplicaAvailable,
     Policy,
@@ -20,17 +21,21 @@ from policies.base import (
     prefix_block_hashes,
 )
 from policies.least_loaded import LeastLoaded
+from policies.longest_prefix import LongestPrefix
 from policies.prefix_affinity import PrefixAffinity
+from policies.prefix_index import PrefixIndex
 from policies.rendezvous import rendezvous_order
 from policies.round_robin import RoundRobin
 
-PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity"]
+PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity", "longest_prefix"]
+DEFAULT_POLICY: PolicyName = "longest_prefix"
 
 # Constructors, not instances: each router app builds its own, so no state is shared.
 POLICIES: dict[str, Callable[..., Policy]] = {
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
     "prefix_affinity": PrefixAffinity,
+    "longest_prefix": LongestPrefix,
 }
 
 
@@ -48,13 +53,17 @@ def make_policy(name: PolicyName | str, **options: object) -> Policy:
 
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "MAX_PREFIX_BLOCKS",
     "POLICIES",
     "Decision",
     "LeastLoaded",
+    "LongestPrefix",
     "NoReplicaAvailable",
     "Policy",
     "PolicyName",
     "PrefixAffinity",
+    "PrefixIndex",
     "ReplicaView",
     "RequestFeatures",
     "RoundRobin",

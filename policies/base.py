@@ -8,7 +8,8 @@ imports from ``router`` or ``backends``.
 Errors::
 
     Exception
-     └── NoReplicaAvailable   no replica is eligible (each one is unhealthy, leased or draining)
+     └── NoReplicaAvailable   no replica is eligible (each one is eval-only, unhealthy, leased
+                              or draining)
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+# How many leading blocks the router hashes for a policy: enough for conversations of a few
+# thousand tokens, while hashing stays well under a millisecond (about 1 us per block).
+MAX_PREFIX_BLOCKS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class ReplicaView:
     draining: bool
     in_flight: int
     capacity_weight: float = 1.0
+    production: bool = True  # in the production pool (a reuse-off replica is not, by default)
 
     def __post_init__(self) -> None:
         # Caught here rather than in every policy: a zero weight would divide by zero in
@@ -58,7 +64,12 @@ class ReplicaView:
     @property
     def ineligibility(self) -> tuple[str, ...]:
         """Why this replica may not take production traffic; empty when it may."""
-        flags = {"unhealthy": not self.healthy, "leased": self.leased, "draining": self.draining}
+        flags = {
+            "eval-only": not self.production,
+            "unhealthy": not self.healthy,
+            "leased": self.leased,
+            "draining": self.draining,
+        }
         return tuple(word for word, on in flags.items() if on)
 
 
@@ -95,13 +106,18 @@ class NoReplicaAvailable(Exception):
 class Policy(Protocol):
     """A routing policy. The router calls ``on_start`` as soon as it commits a request to a
     replica (before it selects for the next request) and ``on_finish`` when that request
-    ends, so a policy that keeps state updates it only through these hooks."""
+    ends, so a policy that keeps state updates it only through these hooks.
+
+    ``on_start`` gets the request's features and ``now`` (seconds on a monotonic clock the
+    caller chooses), so a policy that learns where prefixes went, and forgets them with age,
+    stays a pure function of its inputs: a simulation drives it with simulated time.
+    """
 
     name: str
 
     def select(self, features: RequestFeatures, replicas: Sequence[ReplicaView]) -> Decision: ...
 
-    def on_start(self, replica_id: str) -> None: ...
+    def on_start(self, replica_id: str, features: RequestFeatures, now: float) -> None: ...
 
     def on_finish(self, replica_id: str) -> None: ...
 
@@ -111,7 +127,14 @@ def eligible(replicas: Sequence[ReplicaView]) -> tuple[ReplicaView, ...]:
 
     Raises ``NoReplicaAvailable`` listing every replica's reason when none may.
     """
-    pool = tuple(sorted((r for r in replicas if not r.ineligibility), key=lambda r: r.id))
+    # The flags spelt out rather than ``not r.ineligibility``: this runs for every replica of
+    # every request, and building the reasons is only needed when nothing is left.
+    pool = tuple(
+        sorted(
+            (r for r in replicas if r.production and r.healthy and not r.leased and not r.draining),
+            key=lambda r: r.id,
+        )
+    )
     if not pool:
         raise NoReplicaAvailable({r.id: r.ineligibility for r in replicas})
     return pool

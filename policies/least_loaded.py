@@ -38,7 +38,7 @@ class LeastLoaded:
             candidates=tuple(r.id for r in order),
         )
 
-    def on_start(self, replica_id: str) -> None:
+    def on_start(self, replica_id: str, features: RequestFeatures, now: float) -> None:
         return None
 
     def on_finish(self, replica_id: str) -> None:

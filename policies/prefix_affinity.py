@@ -27,6 +27,35 @@ def load_bound(total_in_flight: int, weight: float, total_weight: float, load_fa
     return math.ceil(load_factor * (total_in_flight + 1) * weight / total_weight)
 
 
+def load_bounds(pool: Sequence[ReplicaView], load_factor: float) -> dict[str, int]:
+    """Each replica's load bound; ``in_flight < bound`` is ``in_flight + 1 <= bound``."""
+    total = sum(r.in_flight for r in pool)
+    total_weight = sum(r.capacity_weight for r in pool)
+    return {r.id: load_bound(total, r.capacity_weight, total_weight, load_factor) for r in pool}
+
+
+def first_within(
+    ranking: Sequence[str], pool: Sequence[ReplicaView], load_factor: float
+) -> tuple[int | None, dict[str, int]]:
+    """The rank of the first replica in ``ranking`` within its bound (None if none is), and
+    the bounds."""
+    by_id = {r.id: r for r in pool}
+    bounds = load_bounds(pool, load_factor)
+    rank = next((n for n, rid in enumerate(ranking) if by_id[rid].in_flight < bounds[rid]), None)
+    return rank, bounds
+
+
+def least_loaded_decision(pool: Sequence[ReplicaView], policy: str, why: str) -> Decision:
+    """The least loaded replica, saying why the policy fell back to it."""
+    order = least_loaded_order(pool)
+    return Decision(
+        replica=order[0].id,
+        policy=policy,
+        reason=f"least_loaded fallback: {why}; {describe_load(order[0])}",
+        candidates=tuple(r.id for r in order),
+    )
+
+
 class PrefixAffinity:
     """Route by the prompt's leading block hash, spilling over when the home is full.
 
@@ -57,10 +86,7 @@ class PrefixAffinity:
             key, [r.id for r in pool], {r.id: r.capacity_weight for r in pool}
         )
         by_id = {r.id: r for r in pool}
-        bounds = self._bounds(pool)
-        rank = next(
-            (n for n, rid in enumerate(ranking) if by_id[rid].in_flight < bounds[rid]), None
-        )
+        rank, bounds = first_within(ranking, pool, self.load_factor)
         if rank is None:
             # Unreachable for c >= 1 (the bounds sum to more than the total load); kept so
             # a rounding corner case degrades to a sane choice rather than an exception.
@@ -76,24 +102,10 @@ class PrefixAffinity:
         candidates = (chosen, *(rid for rid in ranking if rid != chosen))
         return Decision(chosen, self.name, reason, candidates)
 
-    def _bounds(self, pool: Sequence[ReplicaView]) -> dict[str, int]:
-        """Each replica's load bound; ``in_flight < bound`` is ``in_flight + 1 <= bound``."""
-        total = sum(r.in_flight for r in pool)
-        total_weight = sum(r.capacity_weight for r in pool)
-        return {
-            r.id: load_bound(total, r.capacity_weight, total_weight, self.load_factor) for r in pool
-        }
-
     def _least_loaded(self, pool: Sequence[ReplicaView], why: str) -> Decision:
-        order = least_loaded_order(pool)
-        return Decision(
-            replica=order[0].id,
-            policy=self.name,
-            reason=f"least_loaded fallback: {why}; {describe_load(order[0])}",
-            candidates=tuple(r.id for r in order),
-        )
+        return least_loaded_decision(pool, self.name, why)
 
-    def on_start(self, replica_id: str) -> None:
+    def on_start(self, replica_id: str, features: RequestFeatures, now: float) -> None:
         # Load comes in through ReplicaView.in_flight; the policy itself keeps no state.
         return None
 

@@ -13,20 +13,28 @@ import math
 from collections.abc import Mapping, Sequence
 
 
+def _key_prefix(key: str) -> bytes:
+    # Length-prefix the key so ("ab", "c") and ("a", "bc") cannot hash alike.
+    key_bytes = key.encode("utf-8")
+    return len(key_bytes).to_bytes(8, "big") + key_bytes
+
+
+def _score(prefix: bytes, replica_id: str) -> int:
+    digest = hashlib.blake2b(prefix + replica_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 def rendezvous_weight(key: str, replica_id: str) -> int:
     """The 64-bit score of ``replica_id`` for ``key``: blake2b, never ``hash()``, whose
     per-process salt would make every proxy instance disagree."""
-    key_bytes = key.encode("utf-8")
-    # Length-prefix the key so ("ab", "c") and ("a", "bc") cannot hash alike.
-    payload = len(key_bytes).to_bytes(8, "big") + key_bytes + replica_id.encode("utf-8")
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big")
+    return _score(_key_prefix(key), replica_id)
 
 
-def _weighted_score(key: str, replica_id: str, weight: float) -> float:
+def _weighted_score(prefix: bytes, replica_id: str, weight: float) -> float:
     # Weighted rendezvous (Schindelhauer & Schomaker): score = -w / ln(u) gives each
     # replica a share of keys proportional to its weight. u is built from 52 bits so it is
     # exact and strictly inside (0, 1), keeping ln(u) finite and negative.
-    u = ((rendezvous_weight(key, replica_id) >> 12) * 2 + 1) / 2.0**53
+    u = ((_score(prefix, replica_id) >> 12) * 2 + 1) / 2.0**53
     return -weight / math.log(u)
 
 
@@ -39,6 +47,7 @@ def rendezvous_order(
     every platform. Unequal ``weights`` (> 0) skew each replica's share of keys towards
     its weight.
     """
+    prefix = _key_prefix(key)  # encoded once per ranking, not once per replica
     if weights is None or len({weights[i] for i in ids}) <= 1:
-        return sorted(ids, key=lambda i: (-rendezvous_weight(key, i), i))
-    return sorted(ids, key=lambda i: (-_weighted_score(key, i, weights[i]), i))
+        return sorted(ids, key=lambda i: (-_score(prefix, i), i))
+    return sorted(ids, key=lambda i: (-_weighted_score(prefix, i, weights[i]), i))

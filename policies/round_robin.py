@@ -33,7 +33,7 @@ class RoundRobin:
             candidates=rotation,
         )
 
-    def on_start(self, replica_id: str) -> None:
+    def on_start(self, replica_id: str, features: RequestFeatures, now: float) -> None:
         self._last_started = replica_id
 
     def on_finish(self, replica_id: str) -> None:

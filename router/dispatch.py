@@ -9,12 +9,20 @@ reached is skipped for the next candidate, but only while nothing has been strea
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import structlog
 
 from backends.base import BackendFailed, BackendRejected, BackendUnavailable
-from policies import Decision, NoReplicaAvailable, Policy, RequestFeatures, prefix_block_hashes
+from policies import (
+    MAX_PREFIX_BLOCKS,
+    Decision,
+    NoReplicaAvailable,
+    Policy,
+    RequestFeatures,
+    prefix_block_hashes,
+)
 from router.errors import BadRequest, NotFound, Unavailable, UpstreamFailed
 from router.fleet import Fleet, ReplicaState
 from router.flight import Flight, Parsed, take_off
@@ -38,18 +46,19 @@ class Dispatcher:
         flight.replica.in_flight -= 1
         self.policy.on_finish(flight.replica.id)
 
-    def select(self, parsed: Parsed) -> Decision:
+    def select(self, parsed: Parsed) -> tuple[Decision, RequestFeatures]:
         views = self.fleet.views(parsed.model)
         if not views:
             raise NotFound(f"model '{parsed.model}' is not served here", param="model")
         tokens_per_block = self.fleet.serving(parsed.model)[0].settings.tokens_per_block
+        prompt = parsed.request.prompt
         features = RequestFeatures(
-            prefix_hashes=prefix_block_hashes(parsed.request.prompt, tokens_per_block),
-            prompt_tokens=len(parsed.request.prompt.encode()),
+            prefix_hashes=prefix_block_hashes(prompt, tokens_per_block, MAX_PREFIX_BLOCKS),
+            prompt_tokens=len(prompt.encode()),
             model=parsed.model,
         )
         try:
-            return self.policy.select(features, views)
+            return self.policy.select(features, views), features
         except NoReplicaAvailable as exc:
             raise Unavailable(str(exc), headers={"Retry-After": "1"}) from exc
 
@@ -59,13 +68,13 @@ class Dispatcher:
         structlog.contextvars.bind_contextvars(
             request_id=parsed.request.request_id, key=principal.name
         )
-        decision = self.select(parsed)
+        decision, features = self.select(parsed)
         failures: list[str] = []
         for replica_id in decision.candidates:
             replica = self.fleet[replica_id]
             if not replica.takes_production:
                 continue
-            flight = await self._try(parsed, principal, replica, decision, failures)
+            flight = await self._try(parsed, principal, replica, decision, features, failures)
             if flight is not None:
                 return flight
         raise Unavailable(
@@ -79,9 +88,11 @@ class Dispatcher:
         principal: Principal,
         replica: ReplicaState,
         decision: Decision,
+        features: RequestFeatures,
         failures: list[str],
     ) -> Flight | None:
-        self.policy.on_start(replica.id)
+        # The policy learns what went where (and when) before the next request is selected.
+        self.policy.on_start(replica.id, features, time.monotonic())
         admission = Admission(replica.id, replica.generation, replica.engine_digest)
         try:
             return await take_off(self, parsed, principal, replica, decision, admission)

@@ -39,8 +39,19 @@ class ReplicaState:
         return self.resetting or self.reset_here
 
     @property
+    def production(self) -> bool:
+        """In the production pool (``settings.pool``); the others serve eval leases only."""
+        return self.settings.pool == "production"
+
+    @property
     def takes_production(self) -> bool:
-        return self.healthy and not self.draining and not self.paused and self.leased_by is None
+        return (
+            self.production
+            and self.healthy
+            and not self.draining
+            and not self.paused
+            and self.leased_by is None
+        )
 
     def view(self) -> ReplicaView:
         return ReplicaView(
@@ -49,6 +60,7 @@ class ReplicaState:
             leased=self.leased_by is not None,
             draining=self.draining or self.paused,
             in_flight=self.in_flight,
+            production=self.production,
         )
 
 
@@ -75,3 +87,7 @@ class Fleet:
 
     def any_ready(self) -> bool:
         return any(r.healthy for r in self._replicas.values())
+
+    def production_ready(self) -> bool:
+        """Some replica could take a production request now."""
+        return any(r.takes_production for r in self._replicas.values())

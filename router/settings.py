@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity"]
+from policies import DEFAULT_POLICY, PolicyName, make_policy
+
 DEFAULT_MESSAGE_TEMPLATE = "<|{role}|>\n{content}\n"
 DEFAULT_GENERATION_PROMPT = "<|assistant|>\n"
 
@@ -34,6 +35,15 @@ class ReplicaSettings:
     seed_input: str = "seed"
     perf_input: str = "return_perf_metrics"
     token_counts: bool = True
+    # Takes production traffic; unset means "if it reuses KV blocks": a reuse-off replica
+    # would serve every production request cold, so by default it serves cache=off arms only.
+    production: bool | None = None
+
+    @property
+    def pool(self) -> Literal["production", "eval"]:
+        """``production`` (production traffic and eval leases) or ``eval`` (leases only)."""
+        serves = self.reuse if self.production is None else self.production
+        return "production" if serves else "eval"
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,7 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     admin_token: str | None = None
     admin_token_env: str = "KVL_ADMIN_TOKEN"
-    policy: PolicyName = "prefix_affinity"
+    policy: PolicyName = DEFAULT_POLICY
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     allow_anonymous: bool = False
     monitor_interval_s: float = 2.0
@@ -121,10 +131,24 @@ def _replicas(raw: Mapping[str, Any]) -> tuple[ReplicaSettings, ...]:
             replicas.append(ReplicaSettings(**table))
         except TypeError as exc:
             raise SettingsError(f"[[replicas]] #{i + 1}: {exc}") from exc
+        if not isinstance(table.get("production", False), bool):
+            raise SettingsError(f"[[replicas]] #{i + 1}: production must be true or false")
     ids = [r.id for r in replicas]
     if len(set(ids)) != len(ids):
         raise SettingsError(f"replica ids must be unique: {ids}")
     return tuple(replicas)
+
+
+def _routing(raw: Mapping[str, Any]) -> tuple[PolicyName, dict[str, Any]]:
+    """``[routing]``: the policy's name and its options, checked by building it once, so a
+    misspelt option (or one another policy takes) fails here and not at the first request."""
+    options = dict(raw.get("routing", {}))
+    name = options.pop("policy", DEFAULT_POLICY)
+    try:
+        make_policy(name, **options)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"[routing]: policy {name!r}: {exc}") from exc
+    return name, options
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -148,7 +172,7 @@ def build_settings(raw: Mapping[str, Any], env: Mapping[str, str], base: Path) -
     redis_url = env.get("KVL_REDIS_URL") or env.get("REDIS_URL") or server.pop("redis_url", None)
     server.pop("redis_url", None)
     token_env = server.pop("admin_token_env", "KVL_ADMIN_TOKEN")
-    routing = dict(raw.get("routing", {}))
+    policy, policy_options = _routing(raw)
     try:
         return Settings(
             replicas=_replicas(raw),
@@ -157,8 +181,8 @@ def build_settings(raw: Mapping[str, Any], env: Mapping[str, str], base: Path) -
             redis_url=redis_url or Settings.redis_url,
             admin_token=env.get(token_env) or None,
             admin_token_env=token_env,
-            policy=routing.pop("policy", "prefix_affinity"),
-            policy_options=routing,
+            policy=policy,
+            policy_options=policy_options,
             chat_templates=templates,
             limits=_section(raw, "limits", Limits),
             lineage=lineage,

@@ -23,12 +23,13 @@ def replica(
     leased: bool = False,
     draining: bool = False,
     weight: float = 1.0,
+    production: bool = True,
 ) -> ReplicaView:
-    return ReplicaView(rid, healthy, leased, draining, in_flight, weight)
+    return ReplicaView(rid, healthy, leased, draining, in_flight, weight, production)
 
 
-def features(prompt: str) -> RequestFeatures:
-    hashes = prefix_block_hashes(prompt)
+def features(prompt: str, max_blocks: int = 4) -> RequestFeatures:
+    hashes = prefix_block_hashes(prompt, 16, max_blocks)
     return RequestFeatures(prefix_hashes=hashes, prompt_tokens=len(prompt.encode()), model="m")
 
 

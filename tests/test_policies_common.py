@@ -70,6 +70,7 @@ def test_prefix_block_hashes_rejects_bad_block_size() -> None:
 # -- eligibility, for every policy ---------------------------------------------------------
 
 INELIGIBLE = [
+    pytest.param({"production": False}, id="eval-only"),
     pytest.param({"healthy": False}, id="unhealthy"),
     pytest.param({"leased": True}, id="leased"),
     pytest.param({"draining": True}, id="draining"),
@@ -79,12 +80,12 @@ INELIGIBLE = [
 @pytest.mark.parametrize("flag", INELIGIBLE)
 @pytest.mark.parametrize("name", ALL_POLICIES)
 def test_ineligible_replica_is_never_chosen(name: PolicyName, flag: dict[str, bool]) -> None:
-    """An unhealthy, leased or draining replica gets no traffic even when it is idlest."""
+    """An eval-only, unhealthy, leased or draining replica gets no traffic even when idlest."""
     policy = make_policy(name)
     fleet = [replica("r1", 0, **flag), replica("r2", 9), replica("r3", 9)]
-    for prompt in random_prompts(60):
+    for n, prompt in enumerate(random_prompts(60)):
         decision = policy.select(features(prompt), fleet)
-        policy.on_start(decision.replica)
+        policy.on_start(decision.replica, features(prompt), float(n))
         assert decision.replica != "r1"
         assert "r1" not in decision.candidates
 
@@ -96,11 +97,12 @@ def test_no_eligible_replica_raises_with_every_reason(name: PolicyName) -> None:
         replica("r1", healthy=False),
         replica("r2", leased=True),
         replica("r3", draining=True, healthy=False),
+        replica("r4", production=False),
     ]
     with pytest.raises(NoReplicaAvailable) as err:
         make_policy(name).select(features("a" * 40), fleet)
     assert str(err.value) == (
-        "no eligible replica: r1 unhealthy; r2 leased; r3 unhealthy, draining"
+        "no eligible replica: r1 unhealthy; r2 leased; r3 unhealthy, draining; r4 eval-only"
     )
     assert err.value.reasons["r2"] == ("leased",)
 
@@ -133,7 +135,9 @@ def test_registry_covers_every_policy_name() -> None:
 
 def test_make_policy_rejects_unknown_name() -> None:
     """An unknown policy name fails with the list of known ones."""
-    with pytest.raises(ValueError, match="round_robin, least_loaded, prefix_affinity"):
+    with pytest.raises(
+        ValueError, match="round_robin, least_loaded, prefix_affinity, longest_prefix"
+    ):
         make_policy("random")
 
 
@@ -153,6 +157,7 @@ replica_views = st.builds(
     draining=st.booleans(),
     in_flight=st.integers(0, 50),
     capacity_weight=st.sampled_from([0.5, 1.0, 1.0, 2.0, 3.0]),
+    production=st.sampled_from([True, True, True, False]),
 )
 fleets = st.lists(replica_views, max_size=5, unique_by=lambda r: r.id)
 
@@ -169,7 +174,9 @@ def test_choice_is_always_an_eligible_replica(
     """Any policy, any fleet: the choice is eligible, or NoReplicaAvailable is raised."""
     options = {"affinity_blocks": affinity_blocks} if name == "prefix_affinity" else {}
     policy = make_policy(name, **options)
-    eligible = {r.id for r in fleet if r.healthy and not r.leased and not r.draining}
+    eligible = {
+        r.id for r in fleet if r.production and r.healthy and not r.leased and not r.draining
+    }
     try:
         decision = policy.select(features(prompt), fleet)
     except NoReplicaAvailable:

@@ -18,7 +18,7 @@ def run_round_robin(policy: Policy, fleets: list[list[ReplicaView]]) -> list[str
     chosen = []
     for fleet in fleets:
         decision = policy.select(features(""), fleet)
-        policy.on_start(decision.replica)
+        policy.on_start(decision.replica, features(""), 0.0)
         chosen.append(decision.replica)
     return chosen
 
@@ -48,7 +48,7 @@ def test_round_robin_cursor_moves_only_on_start() -> None:
     policy = make_policy("round_robin")
     assert policy.select(features(""), FLEET).replica == "r1"
     assert policy.select(features(""), FLEET).replica == "r1"
-    policy.on_start("r1")
+    policy.on_start("r1", features(""), 0.0)
     decision = policy.select(features(""), FLEET)
     assert (decision.replica, decision.candidates) == ("r2", ("r2", "r3", "r1"))
     assert decision.reason == "round_robin: next after r1 -> r2"

@@ -265,6 +265,14 @@ def launch(
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _pool_line(reuse: bool) -> str:
+    # Spelt out although it is the default, so a reader of the config sees why r3 gets no
+    # production traffic.
+    if reuse:
+        return "production = true\n"
+    return "production = false    # block reuse off: serves cache=off eval arms only\n"
+
+
 def config_snippet(replicas: Sequence[Replica]) -> str:
     """TOML the proxy's config reads: one ``[[replicas]]`` table per replica."""
     blocks = []
@@ -277,6 +285,6 @@ def config_snippet(replicas: Sequence[Replica]) -> str:
             f'metrics = "{r.metrics_url}"\n'
             f'model = "{MODEL_NAME}"\n'
             f"reuse = {'true' if r.spec.model.reuse else 'false'}\n"
-            f"tokens_per_block = {r.spec.model.tokens_per_block}\n"
+            f"tokens_per_block = {r.spec.model.tokens_per_block}\n" + _pool_line(r.spec.model.reuse)
         )
     return "\n".join(blocks)

@@ -56,7 +56,9 @@ def _register_admin(replicas: argparse.ArgumentParser, actions: Any) -> None:
     # Bare ``kvledger replicas [--json]`` lists, so the parent takes list's options too.
     add_admin_options(replicas)
     replicas.set_defaults(run=run_list)
-    listing = actions.add_parser("list", help="the proxy's replicas: health, lease, cache state")
+    listing = actions.add_parser(
+        "list", help="the proxy's replicas: pool, health, lease, cache state"
+    )
     add_admin_options(listing, suppress=True)
     listing.set_defaults(run=run_list)
     for name, help_ in (
@@ -83,10 +85,14 @@ def run_list(args: argparse.Namespace) -> int:
     if args.json:
         print_json_lines(replicas)
     else:
-        columns = ("id", "healthy", "draining", "lease", "in_flight", "generation", "seq", "state")
+        columns = (
+            *("id", "healthy", "draining", "lease", "in_flight", "generation", "seq"),
+            *("state", "pool"),
+        )
         fields = ("id", "healthy", "draining", "leased_by", "in_flight", "generation", "seq")
         rows = [
-            [*(r.get(f) for f in fields), (r.get("state") or "")[:12] or None] for r in replicas
+            [*(r.get(f) for f in fields), (r.get("state") or "")[:12] or None, r.get("pool")]
+            for r in replicas
         ]
         print_table(columns, rows)
     if body.get("redis") is False:

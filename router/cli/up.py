@@ -13,9 +13,14 @@ import os
 import secrets
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from policies import DEFAULT_POLICY
+
+if TYPE_CHECKING:
+    from backends.sim.launcher import Replica
 
 
 def register(commands: Any) -> None:
@@ -28,7 +33,7 @@ def register(commands: Any) -> None:
         type=int,
         default=1,
         metavar="K",
-        help="and K more with block reuse disabled, for cache=off eval keys (default 1)",
+        help="and K more with block reuse disabled, serving cache=off eval keys only (default 1)",
     )
     up.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
     up.add_argument("--workdir", type=Path, help="keep config, logs and spool here")
@@ -72,6 +77,16 @@ def _banner(port: int, key: str, workdir: Path, redis_url: str, token: str) -> s
     )
 
 
+def _pools(running: Sequence[Replica]) -> str:
+    """Which replicas take production traffic: those that reuse blocks (the config default)."""
+    production = [r.id for r in running if r.spec.model.reuse]
+    eval_only = [r.id for r in running if not r.spec.model.reuse]
+    line = f"  production traffic: {', '.join(production)} (routing: {DEFAULT_POLICY})"
+    if eval_only:
+        line += f"\n  eval only (block reuse off, cache=off arms): {', '.join(eval_only)}"
+    return line
+
+
 def run_up(args: argparse.Namespace) -> int:
     from backends.sim.launcher import LaunchError, config_snippet, launch
     from router.cli import local
@@ -91,10 +106,12 @@ def run_up(args: argparse.Namespace) -> int:
                 port=args.port,
                 workdir=workdir,
                 admin_token=token,
+                policy=DEFAULT_POLICY,
             )
             try:
                 proxy.start()
                 print("\n".join(map(local.describe, running)))
+                print(_pools(running))
                 print(f"  redis: {redis_url}\n  config: {proxy.config}")
                 print(_banner(args.port, key, workdir, redis_url, token), flush=True)
                 process = proxy.process

@@ -33,10 +33,15 @@ def unleasable(replica: ReplicaState, serving: list[ReplicaState], minimum: int)
         return "draining"
     if replica.leased_by is not None:
         return f"leased by run {replica.leased_by}"
+    # Only the production pool counts: an eval-only replica left free serves no production.
     left = sum(
         1
         for r in serving
-        if r is not replica and r.healthy and not r.draining and r.leased_by is None
+        if r is not replica
+        and r.production
+        and r.healthy
+        and not r.draining
+        and r.leased_by is None
     )
     if left < minimum:
         return f"leasing it would leave {left} replica(s) to production (minimum {minimum})"

@@ -159,6 +159,7 @@ def _replica_entry(replica: ReplicaState, head: ChainHead | None) -> dict[str, A
         "leased_by": replica.leased_by,
         "in_flight": replica.in_flight,
         "reuse": replica.settings.reuse,
+        "pool": replica.settings.pool,
         "generation": head.generation if head else replica.generation,
         "seq": head.seq if head else None,
         "state": head.state if head else None,

@@ -1,4 +1,14 @@
-"""Operations endpoints: liveness, readiness (fails while no replica is ready), Prometheus."""
+"""Operations endpoints: liveness, readiness (fails while no replica is ready), Prometheus.
+
+``/readyz`` answers 200 while any replica is healthy (eval arms can be served), else 503::
+
+    {"ready": bool, "replicas": {id: healthy}, "redis": bool,
+     "pools": {id: "production" | "eval"}, "production_ready": bool}
+
+``pools`` says which replicas take production traffic (the others serve eval leases only);
+``production_ready`` is whether one of them could take a production request now (healthy, not
+leased, draining or resetting).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +34,8 @@ async def readyz(request: web.Request) -> web.Response:
         "ready": ready,
         "replicas": replicas,
         "redis": bool(request.app[LEDGER].stats().get("redis_up")),
+        "pools": {r.id: r.settings.pool for r in fleet},
+        "production_ready": fleet.production_ready(),
     }
     return _json(body, 200 if ready else 503)
 
