@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix_affinity"]
+Transport = Literal["http", "grpc"]
+TRANSPORTS: tuple[Transport, ...] = ("http", "grpc")
 DEFAULT_MESSAGE_TEMPLATE = "<|{role}|>\n{content}\n"
 DEFAULT_GENERATION_PROMPT = "<|assistant|>\n"
 
@@ -34,6 +36,10 @@ class ReplicaSettings:
     seed_input: str = "seed"
     perf_input: str = "return_perf_metrics"
     token_counts: bool = True
+    # How generations reach the replica: Triton's HTTP generate_stream over keep-alive (needs
+    # ``http``; a replica without it defaults to grpc), or gRPC stream_infer. Model control and
+    # statistics use gRPC either way.
+    transport: Transport = "http"
 
 
 @dataclass(frozen=True)
@@ -115,14 +121,30 @@ def _replicas(raw: Mapping[str, Any]) -> tuple[ReplicaSettings, ...]:
         missing = {"id", "grpc", "metrics"} - set(table)
         if missing:
             raise SettingsError(f"[[replicas]] #{i + 1}: missing {sorted(missing)}")
+        if "transport" not in table and not table.get("http"):
+            table = {**table, "transport": "grpc"}  # the default needs an http URL; none given
         try:
             replicas.append(ReplicaSettings(**table))
         except TypeError as exc:
             raise SettingsError(f"[[replicas]] #{i + 1}: {exc}") from exc
+        _check_transport(replicas[-1], i)
     ids = [r.id for r in replicas]
     if len(set(ids)) != len(ids):
         raise SettingsError(f"replica ids must be unique: {ids}")
     return tuple(replicas)
+
+
+def _check_transport(replica: ReplicaSettings, index: int) -> None:
+    if replica.transport not in TRANSPORTS:
+        raise SettingsError(
+            f"[[replicas]] #{index + 1}: transport must be one of {list(TRANSPORTS)}, "
+            f"not {replica.transport!r}"
+        )
+    if replica.transport == "http" and not replica.http:
+        raise SettingsError(
+            f'[[replicas]] #{index + 1} ({replica.id}): transport "http" needs the replica\'s '
+            '"http" URL (or transport = "grpc")'
+        )
 
 
 def _listen(value: str) -> tuple[str, int]:
