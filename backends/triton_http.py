@@ -1,9 +1,10 @@
 """Triton over HTTP keep-alive: generations from ``POST /v2/models/{model}/generate_stream``.
 
-One aiohttp session per replica keeps its connections open, so no request pays a connection
-set-up, and a request costs one HTTP/1.1 exchange instead of a gRPC bidirectional stream (the
-benchmark in ``bench/overhead.py`` measures the difference). Model control, statistics and
-metrics stay on :class:`backends.triton.TritonBackend`, which this class extends.
+One pool of keep-alive connections per replica (``backends.triton_http_wire``: a minimal
+HTTP/1.1 client, as aiohttp's client costs about as much CPU as the rest of the hop), so no
+request pays a connection set-up, and a request costs one HTTP/1.1 exchange instead of a gRPC
+bidirectional stream (``bench/overhead.py`` measures the difference). Model control,
+statistics and metrics stay on :class:`backends.triton.TritonBackend`, which this class extends.
 
 Every generation, streamed or not, goes through the streaming endpoint with the model's
 ``stream`` input on: Triton's HTTP server notices a client that left only when it next writes to
@@ -43,6 +44,7 @@ from backends.base import (
     GenerationRequest,
 )
 from backends.triton import TritonBackend, TritonTarget
+from backends.triton_http_wire import Pool, WireError
 
 # Output name -> EngineStats field: TensorRT-LLM's per-request statistics.
 STATS_OUTPUTS = {
@@ -55,9 +57,6 @@ STATS_OUTPUTS = {
     "num_input_tokens": "input_tokens",
     "num_output_tokens": "output_tokens",
 }
-# A reused keep-alive connection the server had already closed fails before any response:
-# nothing ran, so the request is sent once more on a fresh connection.
-_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError)
 
 
 def stats_from_outputs(outputs: Mapping[str, Any]) -> EngineStats | None:
@@ -115,23 +114,22 @@ class TritonHttpBackend(TritonBackend):
 
     def __init__(self, target: TritonTarget, http_url: str, http: aiohttp.ClientSession) -> None:
         super().__init__(target, http)
-        self._url = f"{http_url.rstrip('/')}/v2/models/{target.model}/generate_stream"
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=target.timeout_s),
-            skip_auto_headers=("User-Agent",),
-        )
+        self._pool = Pool(http_url, target.timeout_s)
+        self._path = f"/v2/models/{target.model}/generate_stream"
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
         body = request_body(self.target, request)
-        response = await self._open(body)
-        produced = False
+        try:
+            response, connection = await self._pool.post(self._path, body)
+        except WireError as exc:
+            raise BackendUnavailable(self.replica_id, str(exc)) from exc
+        produced = released = False
         stats: EngineStats | None = None
         try:
             if response.status != 200:
-                raise self._refused(response.status, await response.read())
+                raise self._refused(response.status, b"".join([p async for p in response.body()]))
             buffer = b""
-            async for data in response.content.iter_any():
+            async for data in response.body():
                 *events, buffer = (buffer + data).split(b"\n\n")
                 for event in events:
                     outputs = self._event(event, produced)
@@ -142,28 +140,18 @@ class TritonHttpBackend(TritonBackend):
                         yield Chunk(str(text))
             if buffer.strip():
                 raise BackendFailed(self.replica_id, "the stream ended inside an event")
+            # Back to the pool before the last chunk: the caller may never close this generator.
+            self._pool.release(response, connection)
+            released = True
             yield Chunk("", final=True, stats=stats)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except WireError as exc:
             kind = BackendFailed if produced else BackendUnavailable
-            raise kind(self.replica_id, f"{type(exc).__name__}: {exc}") from exc
+            raise kind(self.replica_id, str(exc)) from exc
         finally:
-            # A stream left before its end closes its connection: Triton's next write fails and
-            # it cancels the request. A finished one goes back to the pool for the next request.
-            if not response.content.at_eof():
-                response.close()
-            response.release()
-
-    async def _open(self, body: bytes) -> aiohttp.ClientResponse:
-        headers = {"Content-Type": "application/json"}
-        for attempt in (1, 2):
-            try:
-                return await self._session.post(self._url, data=body, headers=headers)
-            except _STALE as exc:
-                if attempt == 2:
-                    raise BackendUnavailable(self.replica_id, f"{type(exc).__name__}") from exc
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                raise BackendUnavailable(self.replica_id, f"{type(exc).__name__}: {exc}") from exc
-        raise AssertionError("unreachable")
+            # A stream left before its end closes its connection: Triton's next write to it
+            # fails and Triton cancels the request.
+            if not released:
+                self._pool.release(response, connection)
 
     def _event(self, event: bytes, produced: bool) -> dict[str, Any]:
         """One ``data: {...}`` event's outputs; an error event raises."""
@@ -196,5 +184,5 @@ class TritonHttpBackend(TritonBackend):
         return BackendRejected(self.replica_id, message)
 
     async def close(self) -> None:
-        await self._session.close()
+        self._pool.close()
         await super().close()

@@ -4,6 +4,7 @@ mid-generation stops the replica, streamed or not."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 import uuid
@@ -215,3 +216,41 @@ def test_client_gone_from_a_non_streamed_request_stops_the_replica(
     else:
         raise AssertionError("every generation ended by itself before the client left")
     assert _iterations(r3) - before < 300
+
+
+async def test_a_connection_the_replica_closed_while_idle_is_replaced() -> None:
+    """A replica that closes idle keep-alive connections (a restart, a proxy in between): the
+    next request goes out on a fresh connection instead of failing."""
+    event = b'data: {"text_output":"hi","num_output_tokens":1}\n\n'
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+        + f"{len(event):x}\r\n".encode()
+        + event
+        + b"\r\n0\r\n\r\n"
+    )
+    connections = 0
+
+    async def one_answer_then_close(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(one_answer_then_close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    gone = TritonTarget("closing", "127.0.0.1:1", "http://127.0.0.1:1/metrics")
+    async with aiohttp.ClientSession() as session, server:
+        backend = TritonHttpBackend(gone, f"http://127.0.0.1:{port}", session)
+        try:
+            for i in range(3):
+                chunks = await collect(backend, GenerationRequest(str(i), "x", max_tokens=1))
+                assert [c.text for c in chunks] == ["hi", ""]
+                assert chunks[-1].stats is not None and chunks[-1].stats.output_tokens == 1
+        finally:
+            await backend.close()
+    assert connections == 3
