@@ -7,6 +7,7 @@ The environment may override ``KVL_REDIS_URL`` (or ``REDIS_URL``) and ``KVL_LIST
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -95,8 +96,9 @@ class Settings:
     eval: EvalSettings = field(default_factory=EvalSettings)
     log_level: str = "info"
 
-    @property
+    @functools.cached_property
     def models(self) -> tuple[str, ...]:
+        # Cached: every request checks its model against it, and the replicas never change.
         return tuple(dict.fromkeys(r.model for r in self.replicas))
 
     def template(self, model: str) -> ChatTemplate:
