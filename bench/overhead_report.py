@@ -95,6 +95,34 @@ def summary_table(results: Results, direct: str, floor: str | None) -> list[str]
     return lines
 
 
+def target_lines(results: Results, floor: str, kvledger: list[str]) -> list[str]:
+    """Issue 12's targets, per kvledger target: met in how many rounds, and the figures."""
+    lines = [
+        "| target | CPU ≤ 1.5× floor | added p50 ≤ floor's + 0.3 ms | throughput ≥ 0.8× floor "
+        "| first chunk ≤ floor's + 0.3 ms | ≤ 3 Redis commands sent |",
+        "|---|---|---|---|---|---|",
+    ]
+    n = len(results.rounds)
+    for name in kvledger:
+        pairs = [(r[name], r[floor]) for r in results.rounds]
+        checks = [
+            [c.c32.cpu_per_request_us / f.c32.cpu_per_request_us for c, f in pairs],
+            [c.c1.p(0.5) - f.c1.p(0.5) for c, f in pairs],
+            [c.c32.rps / f.c32.rps for c, f in pairs],
+            [c.stream.p(0.5) - f.stream.p(0.5) for c, f in pairs],
+        ]
+        limits = ((1.5, "≤", "×"), (0.3, "≤", " ms"), (0.8, "≥", "×"), (0.3, "≤", " ms"))
+        cells = []
+        for values, (limit, sense, unit) in zip(checks, limits, strict=True):
+            met = sum((v <= limit) if sense == "≤" else (v >= limit) for v in values)
+            cells.append(f"{met}/{n} ({_span(values, '.2f')}{unit})")
+        sampled = results.sampled[name]
+        sent = sum(results.sent.get(name, Counter()).values()) / sampled if sampled else 0.0
+        cells.append(f"{'yes' if sampled and sent <= 3 else 'no'} ({sent:.2f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def redis_lines(results: Results) -> list[str]:
     lines = []
     for name, executed in results.executed.items():
@@ -133,6 +161,10 @@ def failure_lines(results: Results) -> list[str]:
 def render(results: Results, direct: str, floor: str | None, header: list[str]) -> str:
     out = [*header, "", "## Summary over rounds (ranges: lowest to highest round)", ""]
     out += summary_table(results, direct, floor)
+    kvledger = [name for name in results.names if name in results.executed]
+    if floor is not None and kvledger:
+        out += ["", "## Against issue 12's targets (rounds that met each, and the figures)", ""]
+        out += target_lines(results, floor, kvledger)
     out += ["", "## Redis, per kvledger request", ""]
     out += redis_lines(results) or ["- no kvledger target ran"]
     out += ["", "## Failures (not counted as latency)", ""]
