@@ -112,8 +112,8 @@ async def test_unreachable_replica_or_model_is_unavailable(
             await backend.close()
 
 
-def test_statistics_come_from_whichever_event_carries_them() -> None:
-    """Outputs without statistics give None; one-element arrays and scalars both count."""
+def test_statistics_are_read_from_outputs_by_name() -> None:
+    """An event without statistics gives None; one-element arrays and scalars both count."""
     assert stats_from_outputs({"text_output": "x", "model_name": "ensemble"}) is None
     stats = stats_from_outputs({"kv_cache_reused_blocks": [3], "num_output_tokens": 7})
     assert stats is not None and (stats.reused_blocks, stats.output_tokens) == (3, 7)
@@ -214,9 +214,9 @@ def _long_prompt(proxy: ProxyProcess, key: str) -> str:
 def test_client_gone_from_a_non_streamed_request_stops_the_replica(
     http_proxy: tuple[ProxyProcess, str, LedgerView], replicas: dict[str, Replica]
 ) -> None:
-    """A non-streamed client leaving mid-generation: the replica stops well before the 160
-    tokens the same prompt is known to run (Triton's HTTP server notices a client that left only
-    when it writes, so the proxy streams from the replica anyway)."""
+    """A non-streamed client leaving mid-generation: the replica stops within a few tokens."""
+    # Triton's HTTP server notices a client that left only when it writes: the proxy streams
+    # from the replica also for non-streamed requests, and this prompt is known to run 160.
     proxy, key, _ = http_proxy
     r3 = replicas["r3"]  # reuse off: the same prompt generates the same tokens again
     prompt = _long_prompt(proxy, key)
@@ -233,8 +233,9 @@ def test_client_gone_from_a_non_streamed_request_stops_the_replica(
 
 
 async def test_a_connection_the_replica_closed_while_idle_is_replaced() -> None:
-    """A replica that closes idle keep-alive connections (a restart, a proxy in between): the
-    next request goes out on a fresh connection instead of failing."""
+    """A replica that closed an idle keep-alive connection: the request goes out on a new one."""
+    # Also: the statistics come with a text event and the stream ends without a final event
+    # (a decoupled ensemble's flags-only end), and the last chunk still carries them.
     event = b'data: {"text_output":"hi","num_output_tokens":1}\n\n'
     answer = (
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
