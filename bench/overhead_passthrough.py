@@ -10,6 +10,7 @@ what its own work costs.
 from __future__ import annotations
 
 import argparse
+from collections.abc import AsyncIterator
 
 import aiohttp
 import uvloop
@@ -43,7 +44,7 @@ def make_app(upstream: str) -> web.Application:
     app = web.Application()
     app[UPSTREAM] = upstream.rstrip("/")
 
-    async def session(app: web.Application):  # type: ignore[no-untyped-def]
+    async def session(app: web.Application) -> AsyncIterator[None]:
         app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         yield
         await app[SESSION].close()
