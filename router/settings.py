@@ -7,6 +7,7 @@ The environment may override ``KVL_REDIS_URL`` (or ``REDIS_URL``) and ``KVL_LIST
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import Any, Literal
 
 from policies import DEFAULT_POLICY, PolicyName, make_policy
 
+Transport = Literal["http", "grpc"]
+TRANSPORTS: tuple[Transport, ...] = ("http", "grpc")
 DEFAULT_MESSAGE_TEMPLATE = "<|{role}|>\n{content}\n"
 DEFAULT_GENERATION_PROMPT = "<|assistant|>\n"
 
@@ -35,6 +38,10 @@ class ReplicaSettings:
     seed_input: str = "seed"
     perf_input: str = "return_perf_metrics"
     token_counts: bool = True
+    # How generations reach the replica: Triton's HTTP generate_stream over keep-alive (needs
+    # ``http``; a replica without it defaults to grpc), or gRPC stream_infer. Model control and
+    # statistics use gRPC either way.
+    transport: Transport = "http"
     # Takes production traffic; unset means "if it reuses KV blocks": a reuse-off replica
     # would serve every production request cold, so by default it serves cache=off arms only.
     production: bool | None = None
@@ -101,8 +108,9 @@ class Settings:
     eval: EvalSettings = field(default_factory=EvalSettings)
     log_level: str = "info"
 
-    @property
+    @functools.cached_property
     def models(self) -> tuple[str, ...]:
+        # Cached: every request checks its model against it, and the replicas never change.
         return tuple(dict.fromkeys(r.model for r in self.replicas))
 
     def template(self, model: str) -> ChatTemplate:
@@ -127,12 +135,15 @@ def _replicas(raw: Mapping[str, Any]) -> tuple[ReplicaSettings, ...]:
         missing = {"id", "grpc", "metrics"} - set(table)
         if missing:
             raise SettingsError(f"[[replicas]] #{i + 1}: missing {sorted(missing)}")
+        if "transport" not in table and not table.get("http"):
+            table = {**table, "transport": "grpc"}  # the default needs an http URL; none given
         try:
             replicas.append(ReplicaSettings(**table))
         except TypeError as exc:
             raise SettingsError(f"[[replicas]] #{i + 1}: {exc}") from exc
         if not isinstance(table.get("production", False), bool):
             raise SettingsError(f"[[replicas]] #{i + 1}: production must be true or false")
+        _check_transport(replicas[-1], i)
     ids = [r.id for r in replicas]
     if len(set(ids)) != len(ids):
         raise SettingsError(f"replica ids must be unique: {ids}")
@@ -149,6 +160,19 @@ def _routing(raw: Mapping[str, Any]) -> tuple[PolicyName, dict[str, Any]]:
     except (TypeError, ValueError) as exc:
         raise SettingsError(f"[routing]: policy {name!r}: {exc}") from exc
     return name, options
+
+
+def _check_transport(replica: ReplicaSettings, index: int) -> None:
+    if replica.transport not in TRANSPORTS:
+        raise SettingsError(
+            f"[[replicas]] #{index + 1}: transport must be one of {list(TRANSPORTS)}, "
+            f"not {replica.transport!r}"
+        )
+    if replica.transport == "http" and not replica.http:
+        raise SettingsError(
+            f'[[replicas]] #{index + 1} ({replica.id}): transport "http" needs the replica\'s '
+            '"http" URL (or transport = "grpc")'
+        )
 
 
 def _listen(value: str) -> tuple[str, int]:

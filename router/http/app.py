@@ -20,6 +20,7 @@ from aiohttp import web
 
 from backends.base import Backend
 from backends.triton import TritonBackend, TritonTarget
+from backends.triton_http import TritonHttpBackend
 from policies import make_policy
 from router.dispatch import Dispatcher
 from router.eval.dispatch import EvalDispatcher
@@ -66,7 +67,10 @@ def triton_backends(settings: Settings, http: aiohttp.ClientSession) -> dict[str
             token_counts=r.token_counts,
             timeout_s=settings.limits.backend_timeout_s,
         )
-        backends[r.id] = TritonBackend(target, http)
+        if r.transport == "http":
+            backends[r.id] = TritonHttpBackend(target, r.http, http)
+        else:
+            backends[r.id] = TritonBackend(target, http)
     return backends
 
 

@@ -1,0 +1,188 @@
+"""Triton over HTTP keep-alive: generations from ``POST /v2/models/{model}/generate_stream``.
+
+One pool of keep-alive connections per replica (``backends.triton_http_wire``: a minimal
+HTTP/1.1 client, as aiohttp's client costs about as much CPU as the rest of the hop), so no
+request pays a connection set-up, and a request costs one HTTP/1.1 exchange instead of a gRPC
+bidirectional stream (``bench/overhead.py`` measures the difference). Model control,
+statistics and metrics stay on :class:`backends.triton.TritonBackend`, which this class extends.
+
+Every generation, streamed or not, goes through the streaming endpoint with the model's
+``stream`` input on: Triton's HTTP server notices a client that left only when it next writes to
+the connection (triton-inference-server/server issue 7077), and a streamed response writes at
+every token, so closing the connection stops the request inside Triton within a token or two.
+
+How Triton maps the body (``src/http_server.cc``, ``HandleGenerate``): each top-level key that
+names a model input becomes that input (a scalar or a 1-D array, reshaped to the input's
+dims), any other key a request parameter, ``id`` the request id. Each response becomes one
+server-sent event ``data: {JSON}``: every output by name (one-element tensors as scalars),
+``model_name`` and ``model_version``; an error is ``data: {"error": "..."}`` (with the HTTP
+status of its code when it is the first response). The final response ends the chunked body; a
+final response without outputs (a decoupled model's flags-only end) adds no event. Statistics
+are therefore taken from the last event that carries them, not only from the last event.
+
+Errors, into the tree of ``backends.base``: nothing streamed and the replica unreachable (refused,
+reset, 503, model not found) is :class:`BackendUnavailable`, so production fails over; the
+replica refusing the input (400) :class:`BackendRejected`; anything after acceptance
+:class:`BackendFailed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from backends.base import (
+    BackendError,
+    BackendFailed,
+    BackendRejected,
+    BackendUnavailable,
+    Chunk,
+    EngineStats,
+    GenerationRequest,
+)
+from backends.triton import TritonBackend, TritonTarget
+from backends.triton_http_wire import Pool, WireError
+
+# Output name -> EngineStats field: TensorRT-LLM's per-request statistics.
+STATS_OUTPUTS = {
+    "kv_cache_reused_blocks": "reused_blocks",
+    "kv_cache_alloc_new_blocks": "new_blocks",
+    "kv_cache_alloc_total_blocks": "total_blocks",
+    "arrival_time_ns": "arrival_ns",
+    "first_token_time_ns": "first_token_ns",
+    "last_token_time_ns": "last_token_ns",
+    "num_input_tokens": "input_tokens",
+    "num_output_tokens": "output_tokens",
+}
+
+
+def stats_from_outputs(outputs: Mapping[str, Any]) -> EngineStats | None:
+    """The statistics among one response's outputs (name -> value), or None if it has none."""
+    values = {}
+    for output, field_name in STATS_OUTPUTS.items():
+        value = outputs.get(output)
+        if value is not None:
+            values[field_name] = int(value[0] if isinstance(value, list) else value)
+    return EngineStats(**values) if values else None
+
+
+def request_body(target: TritonTarget, request: GenerationRequest) -> bytes:
+    """The generate body: the ensemble's inputs by name, streaming on, statistics asked for."""
+    body: dict[str, Any] = {
+        "id": request.request_id,
+        "text_input": request.prompt,
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "exclude_input_in_output": True,
+        target.perf_input: True,
+    }
+    if target.token_counts:
+        body["return_num_input_tokens"] = body["return_num_output_tokens"] = True
+    for name, value in (
+        ("temperature", request.temperature),
+        ("top_k", request.top_k),
+        ("top_p", request.top_p),
+        (target.seed_input, request.seed),
+    ):
+        if value is not None:
+            body[name] = value
+    if request.stop:
+        body["stop_words"] = list(request.stop)
+    if request.bad_words:
+        body["bad_words"] = list(request.bad_words)
+    return orjson.dumps(body)
+
+
+def _error_message(raw: bytes) -> str:
+    text = raw.strip()
+    if text.startswith(b"data:"):
+        text = text[5:].strip()
+    try:
+        body = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text[:500].decode(errors="replace") or "no body"
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
+    return text[:500].decode(errors="replace")
+
+
+class TritonHttpBackend(TritonBackend):
+    """The engine client for one Triton replica, generating over HTTP keep-alive."""
+
+    def __init__(self, target: TritonTarget, http_url: str, http: aiohttp.ClientSession) -> None:
+        super().__init__(target, http)
+        self._pool = Pool(http_url, target.timeout_s)
+        self._path = f"/v2/models/{target.model}/generate_stream"
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
+        body = request_body(self.target, request)
+        try:
+            response, connection = await self._pool.post(self._path, body)
+        except WireError as exc:
+            raise BackendUnavailable(self.replica_id, str(exc)) from exc
+        produced = released = False
+        stats: EngineStats | None = None
+        try:
+            if response.status != 200:
+                raise self._refused(response.status, b"".join([p async for p in response.body()]))
+            buffer = b""
+            async for data in response.body():
+                *events, buffer = (buffer + data).split(b"\n\n")
+                for event in events:
+                    outputs = self._event(event, produced)
+                    stats = stats_from_outputs(outputs) or stats
+                    text = outputs.get("text_output")
+                    if text:
+                        produced = True
+                        yield Chunk(str(text))
+            if buffer.strip():
+                raise BackendFailed(self.replica_id, "the stream ended inside an event")
+            # Back to the pool before the last chunk: the caller may never close this generator.
+            self._pool.release(response, connection)
+            released = True
+            yield Chunk("", final=True, stats=stats)
+        except WireError as exc:
+            kind = BackendFailed if produced else BackendUnavailable
+            raise kind(self.replica_id, str(exc)) from exc
+        finally:
+            # A stream left before its end closes its connection: Triton's next write to it
+            # fails and Triton cancels the request.
+            if not released:
+                self._pool.release(response, connection)
+
+    def _event(self, event: bytes, produced: bool) -> dict[str, Any]:
+        """One ``data: {...}`` event's outputs; an error event raises."""
+        payload = event.strip()
+        if payload.startswith(b"data:"):
+            payload = payload[5:]
+        try:
+            outputs = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise BackendFailed(self.replica_id, f"not a JSON event: {event[:200]!r}") from exc
+        if not isinstance(outputs, dict):
+            raise BackendFailed(self.replica_id, f"not a JSON object: {event[:200]!r}")
+        if "error" in outputs:
+            message = str(outputs["error"])
+            if produced:
+                raise BackendFailed(self.replica_id, message)
+            raise self._classify(message, 200)
+        return outputs
+
+    def _refused(self, status: int, raw: bytes) -> BackendError:
+        return self._classify(_error_message(raw), status)
+
+    def _classify(self, message: str, status: int) -> BackendError:
+        """Nothing was streamed: which error this is, by status and message as gRPC's are."""
+        lowered = message.lower()
+        if status in (404, 502, 503, 504) or "unavailable" in lowered or "not found" in lowered:
+            return BackendUnavailable(self.replica_id, message)
+        if status >= 500 or "internal" in lowered:
+            return BackendFailed(self.replica_id, message)
+        return BackendRejected(self.replica_id, message)
+
+    async def close(self) -> None:
+        self._pool.close()
+        await super().close()

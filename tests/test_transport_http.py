@@ -1,0 +1,271 @@
+"""The replica hop over HTTP keep-alive (backends/triton_http.py) against real tritonserver
+stand-ins: same output and statistics as gRPC, errors in the backend tree, and a client gone
+mid-generation stops the replica, streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+
+import aiohttp
+import orjson
+import pytest
+import urllib3
+
+from backends.base import (
+    BackendRejected,
+    BackendUnavailable,
+    Chunk,
+    EngineStats,
+    GenerationRequest,
+)
+from backends.sim.launcher import Replica, config_snippet, free_ports
+from backends.triton import TritonBackend, TritonTarget
+from backends.triton_http import TritonHttpBackend, stats_from_outputs
+from router.cli.local import ProxyProcess, create_key
+from tests.ledger_view import LedgerView
+from tests.servers import RedisServer
+from tests.triton_helpers import metric, metrics
+
+HTTP = urllib3.PoolManager()
+ITERATIONS = ("nv_trt_llm_general_metrics", {"general_type": "iteration_counter"})
+
+
+def target(replica: Replica, model: str = "ensemble") -> TritonTarget:
+    return TritonTarget(replica.id, replica.grpc_url, replica.metrics_url, model=model)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def collect(backend: TritonBackend, request: GenerationRequest) -> list[Chunk]:
+    chunks = []
+    async for chunk in backend.stream(request):
+        chunks.append(chunk)
+        if chunk.final:
+            break
+    return chunks
+
+
+def counts(stats: EngineStats | None) -> EngineStats | None:
+    """The statistics without their timestamps (two runs never share those)."""
+    if stats is None:
+        return None
+    return replace(stats, arrival_ns=0, first_token_ns=0, last_token_ns=0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_http_and_grpc_give_the_same_text_and_statistics(
+    replicas: dict[str, Replica], session: aiohttp.ClientSession, stream: bool
+) -> None:
+    """A generation over HTTP has the text and statistics the same request has over gRPC."""
+    r3 = replicas["r3"]  # reuse off: the statistics do not depend on what ran before
+    grpc_backend = TritonBackend(target(r3), session)
+    http_backend = TritonHttpBackend(target(r3), r3.http_url, session)
+    try:
+        prompt = "transport parity " + uuid.uuid4().hex
+        request = GenerationRequest(uuid.uuid4().hex, prompt, max_tokens=12, stream=stream)
+        over_grpc = await collect(grpc_backend, request)
+        over_http = await collect(http_backend, request)
+    finally:
+        await grpc_backend.close()
+        await http_backend.close()
+    assert "".join(c.text for c in over_http) == "".join(c.text for c in over_grpc)
+    assert over_http[-1].final and over_grpc[-1].final
+    assert counts(over_http[-1].stats) == counts(over_grpc[-1].stats)
+    assert over_http[-1].stats is not None and over_http[-1].stats.output_tokens > 0
+
+
+async def test_replica_refusing_the_input_is_rejected(
+    replicas: dict[str, Replica], session: aiohttp.ClientSession
+) -> None:
+    """Input the replica refuses is BackendRejected (the proxy answers 400), not a failover."""
+    backend = TritonHttpBackend(target(replicas["r1"]), replicas["r1"].http_url, session)
+    try:
+        with pytest.raises(BackendRejected, match="max_tokens"):
+            await collect(backend, GenerationRequest("bad", "hello", max_tokens=-1))
+    finally:
+        await backend.close()
+
+
+async def test_unreachable_replica_or_model_is_unavailable(
+    replicas: dict[str, Replica], session: aiohttp.ClientSession
+) -> None:
+    """Nothing listening, or no such model: BackendUnavailable, so production fails over."""
+    gone = TritonTarget("gone", "127.0.0.1:1", "http://127.0.0.1:1/metrics")
+    port, r1 = free_ports(1)[0], replicas["r1"]
+    for backend in (
+        TritonHttpBackend(gone, f"http://127.0.0.1:{port}", session),
+        TritonHttpBackend(target(r1, "no_such_model"), r1.http_url, session),
+    ):
+        try:
+            with pytest.raises(BackendUnavailable):
+                await collect(backend, GenerationRequest("x", "hello", max_tokens=2))
+        finally:
+            await backend.close()
+
+
+def test_statistics_are_read_from_outputs_by_name() -> None:
+    """An event without statistics gives None; one-element arrays and scalars both count."""
+    assert stats_from_outputs({"text_output": "x", "model_name": "ensemble"}) is None
+    stats = stats_from_outputs({"kv_cache_reused_blocks": [3], "num_output_tokens": 7})
+    assert stats is not None and (stats.reused_blocks, stats.output_tokens) == (3, 7)
+
+
+@pytest.fixture
+def http_proxy(replicas: dict[str, Replica]) -> Iterator[tuple[ProxyProcess, str, LedgerView]]:
+    """A proxy in front of r3 alone, its generations explicitly over HTTP, with its own Redis."""
+    redis = RedisServer()
+    redis.start()
+    snippet = config_snippet([replicas["r3"]])
+    snippet = snippet.replace("[[replicas]]\n", '[[replicas]]\ntransport = "http"\n')
+    proxy = ProxyProcess(snippet, redis.url, monitor_interval_s=0.5)
+    proxy.start()
+    try:
+        yield proxy, create_key(redis.url, "transport"), LedgerView(redis.url)
+    finally:
+        proxy.stop()
+        redis.close()
+
+
+def _send(proxy: ProxyProcess, key: str, path: str, body: dict[str, object]) -> socket.socket:
+    data = orjson.dumps(body)
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=60)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def _iterations(replica: Replica) -> float:
+    family, labels = ITERATIONS
+    return metric(metrics(replica), family, **labels)
+
+
+def _wait_idle(replica: Replica) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if metric(metrics(replica), "nv_trt_llm_request_metrics", request_type="active") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"replica {replica.id} still busy after 30 s")
+
+
+def _last_status(ledger: LedgerView, attempts: int) -> str:
+    """The status of the newest record once there is one per attempt."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        records = ledger.tail(50, key="transport")
+        if len(records) >= attempts:
+            return str(records[-1]["status"])
+        time.sleep(0.1)
+    raise AssertionError(f"{attempts} requests but {len(records)} records")
+
+
+def test_client_gone_from_a_stream_stops_the_replica_within_a_few_tokens(
+    http_proxy: tuple[ProxyProcess, str, LedgerView], replicas: dict[str, Replica]
+) -> None:
+    """A streamed client leaving after 20 tokens: the replica generated only a few more."""
+    proxy, key, ledger = http_proxy
+    r3 = replicas["r3"]
+    for attempt in range(1, 11):  # the stand-in's random weights end some generations early
+        _wait_idle(r3)
+        before = _iterations(r3)
+        body = {"text_input": "stream " + uuid.uuid4().hex, "max_tokens": 3000}
+        with _send(proxy, key, "/v2/models/ensemble/generate_stream", body) as sock:
+            received = b""
+            while received.count(b"data: ") < 20 and b"kvledger" not in received:
+                received += sock.recv(65536)
+        _wait_idle(r3)
+        if _last_status(ledger, attempt) == "cancelled":
+            break
+    else:
+        raise AssertionError("no prompt streamed 20 tokens in 10 attempts")
+    extra = _iterations(r3) - before - received.count(b"data: ")
+    assert extra <= 16, f"the replica ran {extra} iterations after the client's last token"
+
+
+def _long_prompt(proxy: ProxyProcess, key: str) -> str:
+    """A prompt whose (deterministic, greedy) generation runs 160 tokens without an end token
+    (the stand-in's random weights end half of all generations within about 30)."""
+    for _ in range(60):
+        prompt = "wait " + uuid.uuid4().hex
+        body = {"model": "ensemble", "prompt": prompt, "max_tokens": 160}
+        response = HTTP.request(
+            "POST",
+            proxy.url + "/v1/completions",
+            body=orjson.dumps(body),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        if orjson.loads(response.data)["usage"]["completion_tokens"] == 160:
+            return prompt
+    raise AssertionError("every prompt met an end token before 160 tokens")
+
+
+def test_client_gone_from_a_non_streamed_request_stops_the_replica(
+    http_proxy: tuple[ProxyProcess, str, LedgerView], replicas: dict[str, Replica]
+) -> None:
+    """A non-streamed client leaving mid-generation: the replica stops within a few tokens."""
+    # Triton's HTTP server notices a client that left only when it writes: the proxy streams
+    # from the replica also for non-streamed requests, and this prompt is known to run 160.
+    proxy, key, _ = http_proxy
+    r3 = replicas["r3"]  # reuse off: the same prompt generates the same tokens again
+    prompt = _long_prompt(proxy, key)
+    _wait_idle(r3)
+    before = _iterations(r3)
+    body = {"model": "ensemble", "prompt": prompt, "max_tokens": 3000}
+    with _send(proxy, key, "/v1/completions", body):
+        deadline = time.monotonic() + 30
+        while metric(metrics(r3), "nv_trt_llm_request_metrics", request_type="active") == 0:
+            assert time.monotonic() < deadline, "the request never reached the replica"
+            time.sleep(0.02)
+    _wait_idle(r3)
+    assert _iterations(r3) - before < 80
+
+
+async def test_a_connection_the_replica_closed_while_idle_is_replaced() -> None:
+    """A replica that closed an idle keep-alive connection: the request goes out on a new one."""
+    # Also: the statistics come with a text event and the stream ends without a final event
+    # (a decoupled ensemble's flags-only end), and the last chunk still carries them.
+    event = b'data: {"text_output":"hi","num_output_tokens":1}\n\n'
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+        + f"{len(event):x}\r\n".encode()
+        + event
+        + b"\r\n0\r\n\r\n"
+    )
+    connections = 0
+
+    async def one_answer_then_close(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(one_answer_then_close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    gone = TritonTarget("closing", "127.0.0.1:1", "http://127.0.0.1:1/metrics")
+    async with aiohttp.ClientSession() as session, server:
+        backend = TritonHttpBackend(gone, f"http://127.0.0.1:{port}", session)
+        try:
+            for i in range(3):
+                chunks = await collect(backend, GenerationRequest(str(i), "x", max_tokens=1))
+                assert [c.text for c in chunks] == ["hi", ""]
+                assert chunks[-1].stats is not None and chunks[-1].stats.output_tokens == 1
+        finally:
+            await backend.close()
+    assert connections == 3
