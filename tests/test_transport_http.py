@@ -121,11 +121,13 @@ def test_statistics_are_read_from_outputs_by_name() -> None:
 
 @pytest.fixture
 def http_proxy(replicas: dict[str, Replica]) -> Iterator[tuple[ProxyProcess, str, LedgerView]]:
-    """A proxy in front of r3 alone, its generations explicitly over HTTP, with its own Redis."""
+    """A proxy in front of r3 alone (in the production pool), over HTTP, with its own Redis."""
     redis = RedisServer()
     redis.start()
     snippet = config_snippet([replicas["r3"]])
     snippet = snippet.replace("[[replicas]]\n", '[[replicas]]\ntransport = "http"\n')
+    # r3 reuses no block (the same prompt generates the same tokens again): production here.
+    snippet = snippet.replace("production = false", "production = true")
     proxy = ProxyProcess(snippet, redis.url, monitor_interval_s=0.5)
     proxy.start()
     try:
