@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 
 from backends.sim.launcher import Replica, ReplicaSpec, launch, stop
 from bench.workload import make_episodes
@@ -21,6 +22,11 @@ from tests.servers import RedisServer
 from tests.triton_helpers import http_generate, metric, metrics, request_count
 
 EPISODE = make_episodes(80)[20]
+
+
+@pytest.fixture(scope="module")
+def redis_url(stack: tuple[Proxy, Proxy, LedgerView]) -> str:
+    return stack[2].redis_url
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +133,20 @@ def test_run_begin_waits_for_in_flight_requests_then_resets(
     event = ledger.generations("r1")[-1]
     assert event["run"] == run["id"] and event["generation"] == int(run["generation"])
     end(proxy, run["id"])
+
+
+def test_a_reset_is_acknowledged_by_the_other_proxy(
+    stack: tuple[Proxy, Proxy, LedgerView], redis_url: str
+) -> None:
+    """A verified reset through one proxy is announced to the other, which sets the replica
+    aside and acknowledges at once (the reset waits for that, not for a monitor interval)."""
+    proxy, _, _ = stack
+    status, report = admin(proxy, "POST", "/admin/replicas/r2/reset")
+    assert status == 200, report
+    acks = redis.Redis.from_url(redis_url).hgetall("kvl:{replica:r2}:acks")
+    assert len(acks) == 1  # the other proxy, not the resetting one
+    (mark,) = acks.values()
+    assert b"@" in mark
 
 
 def test_no_free_replica_gets_503_naming_the_holders(

@@ -1,7 +1,9 @@
 """The verified reset (DESIGN.md §5): the only way to empty a TensorRT-LLM replica's KV cache.
 
-Steps: mark the reset in Redis (its owner, with a heartbeat; other proxies stop admitting within
-one monitor interval, which is why the wait lasts at least ``settle_s``), wait until the replica
+Steps: mark the reset in Redis (its owner, with a heartbeat) and announce it: every proxy stops
+admitting to the replica at once and acknowledges (``router.ledger.notices``); the reset waits
+for the acknowledgements of the proxies alive lately, or ``settle_s`` (one monitor interval,
+after which every proxy has seen the mark anyway), whichever comes first; wait until the replica
 holds no request from anyone (the engine's active-request gauge, so other proxies' and direct
 clients' requests count too), unload with dependents and load through the repository API, wait
 until ready, confirm that the request counter restarted at zero and the engine holds no block,
@@ -28,6 +30,7 @@ from backends.base import BackendError, ReplicaCounters
 from router.eval.heartbeat import heartbeat
 from router.fleet import ReplicaState
 from router.ledger import ChainHead, Ledger, LedgerError
+from router.ledger.notices import Notices
 from router.ledger.turns import Turns
 
 _log = structlog.get_logger("kvledger.reset")
@@ -93,13 +96,14 @@ class Resetter:
         self,
         ledger: Ledger,
         turns: Turns,
+        notices: Notices,
         owner: str,
         *,
         settle_s: float,
         drain_timeout_s: float,
         heartbeat_s: float,
     ) -> None:
-        self.ledger, self.turns, self.owner = ledger, turns, owner
+        self.ledger, self.turns, self.notices, self.owner = ledger, turns, notices, owner
         self.settle_s = settle_s
         self.drain_timeout_s = drain_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -113,10 +117,11 @@ class Resetter:
         started = time.perf_counter()
         replica.reset_here = True
         try:
-            await self._mark(replica.id, reason, run)
+            mark = await self._mark(replica.id, reason, run)
             try:
                 async with heartbeat(lambda: self._beat(replica.id), self.heartbeat_s) as beat:
-                    waited = await wait_idle(replica, self.settle_s, self.drain_timeout_s)
+                    acked = await self._acknowledged(replica.id, mark)
+                    waited = acked + await wait_idle(replica, 0.0, self.drain_timeout_s)
                     reloaded = time.perf_counter()
                     digest = await self._reload(replica)
                     reload_s = time.perf_counter() - reloaded
@@ -165,16 +170,35 @@ class Resetter:
         replica.counters = None
         return intent.get("run", "")
 
-    async def _mark(self, replica: str, reason: str, run: str) -> None:
-        started = datetime.now(UTC).isoformat(timespec="seconds")
+    async def _mark(self, replica: str, reason: str, run: str) -> str:
+        """Mark and announce the reset; its mark id, which the proxies acknowledge."""
+        started = datetime.now(UTC).isoformat(timespec="milliseconds")
+        mark = f"{self.owner}@{started}"
         try:
             owner = await self.turns.begin_reset(
                 replica, self.owner, self._ttl_ms, run=run, reason=reason, started=started
             )
+            if not owner:
+                await self.notices.announce(replica, mark)
         except LedgerError as exc:
             raise ResetFailed(f"cannot mark the reset in Redis: {exc}") from exc
         if owner:
             raise ResetFailed(f"replica {replica} is being reset by another proxy ({owner})")
+        return mark
+
+    async def _acknowledged(self, replica: str, mark: str) -> float:
+        """Seconds until every proxy alive lately has set the replica aside, at most
+        ``settle_s`` (by then each has seen the mark at its monitor's tick anyway)."""
+        began = time.monotonic()
+        try:
+            others = await self.notices.live_proxies(3 * self.settle_s) - {self.owner}
+            while others and time.monotonic() - began < self.settle_s:
+                if others <= await self.notices.acked(replica, mark):
+                    break
+                await asyncio.sleep(0.005)
+        except LedgerError as exc:
+            raise ResetFailed(f"cannot read the proxies' acknowledgements: {exc}") from exc
+        return time.monotonic() - began
 
     async def _beat(self, replica: str) -> str | None:
         if await self.turns.reset_heartbeat(replica, self.owner, self._ttl_ms):

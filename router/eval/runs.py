@@ -26,6 +26,7 @@ from router.eval.reset import Resetter
 from router.fleet import Fleet
 from router.ledger import Ledger, LedgerError
 from router.ledger.keys import Profile
+from router.ledger.notices import Notices
 from router.ledger.runs import RunStore
 from router.ledger.turns import Turns
 from router.settings import EvalSettings
@@ -45,6 +46,7 @@ class Runs:
         turns: Turns,
         settings: EvalSettings,
         *,
+        notices: Notices,
         settle_s: float,
         owner: str,
         heartbeat_s: float,
@@ -55,9 +57,11 @@ class Runs:
         self.owner = owner  # this proxy instance, for the claims it holds
         self.heartbeat_s = heartbeat_s
         self.owner_ttl_ms = int(heartbeat_s * 3000)
+        self.notices = notices
         self.resets = Resetter(
             ledger,
             turns,
+            notices,
             owner,
             settle_s=settle_s,
             drain_timeout_s=settings.drain_timeout_s,
@@ -122,6 +126,7 @@ class Runs:
     async def tick(self) -> None:
         """The monitor's hook: learn leases and resets, recover what dead proxies left behind,
         end idle runs (see the module docstring)."""
+        await self.notices.alive(self.owner)
         marks = await self.turns.marks(r.id for r in self.fleet)
         for replica in self.fleet:
             replica.leased_by, replica.resetting = marks[replica.id]
@@ -134,6 +139,16 @@ class Runs:
             await self.fail(run, reason, status)
         for run in await self.store.live():
             await self._check(run)
+
+    async def on_notice(self, replica: str, mark: str) -> None:
+        """A reset of ``replica`` was announced: stop admitting to it now, and say so."""
+        if replica not in self.fleet or mark.startswith(self.owner + "@"):
+            return
+        self.fleet[replica].resetting = True
+        try:
+            await self.notices.ack(replica, self.owner, mark)
+        except LedgerError as exc:  # the resetter then waits out one monitor interval
+            _log.warning("reset_ack_failed", replica=replica, error=str(exc))
 
     async def _check(self, run: str) -> None:
         meta = await self.store.get(run)

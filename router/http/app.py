@@ -8,7 +8,6 @@ fleet with its dispatcher, and the generation monitor. Tests inject their own ba
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import socket
@@ -44,6 +43,7 @@ from router.ledger import Ledger, LedgerConfig
 from router.ledger.connect import connect
 from router.ledger.errors import LedgerError
 from router.ledger.keys import KeyStore
+from router.ledger.notices import Notices, listen
 from router.ledger.runs import RunStore
 from router.ledger.turns import Turns
 from router.metrics import Metrics
@@ -118,6 +118,7 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
             store,
             turns,
             settings.eval,
+            notices=Notices(app[REDIS]),
             settle_s=settings.monitor_interval_s,
             owner=instance_id(settings),
             heartbeat_s=settings.eval.heartbeat_s,
@@ -127,13 +128,16 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
         await _register(store, settings)
         monitor = Monitor(fleet, app[LEDGER], settings.monitor_interval_s, hook=runs.tick)
         await monitor.tick()  # know health and generations before the first request
-        task = asyncio.create_task(monitor.run(), name="kvl-monitor")
+        tasks = [
+            asyncio.create_task(monitor.run(), name="kvl-monitor"),
+            asyncio.create_task(listen(settings.redis_url, runs.on_notice), name="kvl-notices"),
+        ]
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*(b.close() for b in backends.values()))
 
     return ctx

@@ -12,9 +12,14 @@ RedisClient = aioredis.Redis
 
 
 def connect(
-    url: str, *, timeout_s: float = 0.5, connect_timeout_s: float = 0.5, health_check_s: int = 5
+    url: str,
+    *,
+    timeout_s: float | None = 0.5,
+    connect_timeout_s: float = 0.5,
+    health_check_s: int = 5,
 ) -> RedisClient:
-    """A client of the Redis at ``url`` (it connects on first use); ValueError for a bad URL."""
+    """A client of the Redis at ``url`` (it connects on first use); ValueError for a bad URL.
+    ``timeout_s`` None: reads wait as long as it takes (a subscriber)."""
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout_s,
