@@ -127,6 +127,8 @@ class Runs:
         """The monitor's hook: learn leases and resets, recover what dead proxies left behind,
         end idle runs (see the module docstring)."""
         await self.notices.alive(self.owner)
+        if await self.store.missing([r.id for r in self.fleet]):
+            await self.register()
         marks = await self.turns.marks(r.id for r in self.fleet)
         for replica in self.fleet:
             replica.leased_by, replica.resetting = marks[replica.id]
@@ -139,6 +141,13 @@ class Runs:
             await self.fail(run, reason, status)
         for run in await self.store.live():
             await self._check(run)
+
+    async def register(self) -> None:
+        """Tell Redis which replicas exist (keys are checked against them without a proxy,
+        and readers find the replicas' lineage streams through them)."""
+        await self.store.register(
+            {r.id: {"model": r.settings.model, "reuse": r.settings.reuse} for r in self.fleet}
+        )
 
     async def on_notice(self, replica: str, mark: str) -> None:
         """A reset of ``replica`` was announced: stop admitting to it now, and say so."""

@@ -8,6 +8,7 @@ fleet with its dispatcher, and the generation monitor. Tests inject their own ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import socket
@@ -51,7 +52,6 @@ from router.monitor import Monitor
 from router.settings import Settings
 
 BackendFactory = Callable[[Settings, aiohttp.ClientSession], Mapping[str, Backend]]
-_log = structlog.get_logger("kvledger.app")
 
 
 def triton_backends(settings: Settings, http: aiohttp.ClientSession) -> dict[str, Backend]:
@@ -125,7 +125,8 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
         )
         app[RUNS] = runs
         app[EVAL] = EvalDispatcher(fleet, app[LEDGER], runs, turns, settings.eval, app[METRICS])
-        await _register(store, settings)
+        with contextlib.suppress(LedgerError):  # the monitor's ticks register them later
+            await runs.register()
         monitor = Monitor(fleet, app[LEDGER], settings.monitor_interval_s, hook=runs.tick)
         await monitor.tick()  # know health and generations before the first request
         tasks = [
@@ -146,15 +147,6 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
 def instance_id(settings: Settings) -> str:
     """This proxy instance, for the claims it holds in Redis (resets, begins)."""
     return f"{socket.gethostname()}:{settings.port}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-async def _register(store: RunStore, settings: Settings) -> None:
-    """Tell Redis which replicas exist, so keys can be checked against them without a proxy."""
-    entries = {r.id: {"model": r.model, "reuse": r.reuse} for r in settings.replicas}
-    try:
-        await store.register(entries)
-    except LedgerError as exc:
-        _log.warning("replicas_not_registered", error=str(exc))
 
 
 def create_app(

@@ -45,8 +45,7 @@ from router.ledger.schema import (
     generation_fields,
     head_from,
     replica_key,
-    replica_lineage_key,
-    step_key,
+    step_keys,
     text,
 )
 from router.ledger.scripts import Scripts
@@ -207,7 +206,7 @@ class Ledger:
     async def _step(self, record: Record, exact: bool, fence: Fence | None) -> Record:
         data = template(record)
         replica, request_id = str(record["replica"]), str(record["request_id"])
-        keys = [cache_key(replica), step_key(replica, request_id), replica_lineage_key(replica)]
+        keys = step_keys(replica, request_id)
         args: list[EncodableT] = [
             record["generation"],
             record["digest"],
@@ -216,6 +215,7 @@ class Ledger:
             self._cfg.lineage_maxlen,
             int(exact),
             request_id,
+            self._cfg.request_ttl_s,
         ]
         script = self._scripts.step
         if fence is not None:
@@ -231,7 +231,8 @@ class Ledger:
             raise UnknownReplica(f"replica {replica!r} has no chain")
         fields = chain_fields(step, exact)
         record.update(fields)
-        self._writer.index(request_id, record.get("run"), with_chain(data, fields))
+        if record.get("run") is not None:
+            self._writer.index(request_id, record["run"], with_chain(data, fields))
         return record
 
     async def _ensure_unknown(self, replica: str, engine_digest: str) -> None:

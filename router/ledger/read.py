@@ -42,11 +42,17 @@ class LedgerReader:
         self._timeout = timeout_s
 
     async def record(self, request_id: str) -> dict[str, Any] | None:
+        """One record by request id: its key lives in its replica's hash tag, so every
+        registered replica is asked (one pipelined round trip)."""
+        replicas = await self.replica_ids()
+        pipe = self._client.pipeline(transaction=False)
+        for replica in replicas:
+            pipe.get(request_key(replica, request_id))
         async with redis_call("get record", self._timeout):
-            raw = await self._client.get(request_key(request_id))
-        if raw is None:
+            found = [raw for raw in await pipe.execute() if raw is not None]
+        if not found:
             return None
-        record: dict[str, Any] = orjson.loads(raw)
+        record: dict[str, Any] = orjson.loads(found[0])
         return record
 
     async def tail(

@@ -206,6 +206,11 @@ class RunStore:
         async with redis_call("register replicas", self._timeout):
             await self._client.hset(REPLICAS, mapping=mapping)  # type: ignore[arg-type]
 
+    async def missing(self, replicas: list[str]) -> bool:
+        """Whether any of ``replicas`` is not registered (Redis lost its data, say)."""
+        async with redis_call("check replicas", self._timeout):
+            return any(v is None for v in await self._client.hmget(REPLICAS, replicas))
+
     async def registry(self) -> dict[str, dict[str, Any]]:
         async with redis_call("read replicas", self._timeout):
             raw = await self._client.hgetall(REPLICAS)

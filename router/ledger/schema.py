@@ -6,10 +6,10 @@ step keys and its lineage stream ``kvl:{replica:ID}:lineage``, the record of tru
 the same Lua call as the step: see ``router.ledger.scripts``).
 
 Lineage stream entries have two fields: ``id``, the request id (so ``XRANGE`` output can be
-grepped), and ``r``, the record as JSON. Two indexes are written behind, idempotently or read
-with duplicates dropped: ``kvl:req:ID`` (the record, with expiry) and ``kvl:{run:ID}:lineage``
-(an eval run's records). ``kvl:generations`` entries have the fields replica, generation,
-reason, engine_digest, at (and a reset's figures).
+grepped), and ``r``, the record as JSON. The step also writes ``kvl:{replica:ID}:req:REQ``, the
+record by request id (with expiry). ``kvl:{run:ID}:lineage`` (an eval run's records) is an
+index written behind the response; readers drop its duplicates. ``kvl:generations`` entries
+have the fields replica, generation, reason, engine_digest, known, at (and a reset's figures).
 """
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ def step_key(replica: str, request_id: str) -> str:
     return f"{PREFIX}{{replica:{replica}}}:step:{request_id}"
 
 
+def step_keys(replica: str, request_id: str) -> list[str]:
+    """The keys one chain step touches (see ``scripts``): chain, step key, stream, record."""
+    return [
+        cache_key(replica),
+        step_key(replica, request_id),
+        replica_lineage_key(replica),
+        request_key(replica, request_id),
+    ]
+
+
 def replica_lineage_key(replica: str) -> str:
     """The replica's lineage stream: every record of a request it served, in chain order."""
     return f"{PREFIX}{{replica:{replica}}}:lineage"
@@ -60,8 +70,9 @@ def run_lineage_key(run: str) -> str:
     return f"{PREFIX}{{run:{run}}}:lineage"
 
 
-def request_key(request_id: str) -> str:
-    return f"{PREFIX}req:{request_id}"
+def request_key(replica: str, request_id: str) -> str:
+    """One record by request id, in its replica's hash tag (written by the chain step)."""
+    return f"{PREFIX}{{replica:{replica}}}:req:{request_id}"
 
 
 def text(value: Any) -> str:

@@ -86,10 +86,11 @@ return start(gen, ARGV[2], ARGV[5], ARGV[1], ARGV[3], ARGV[4], tonumber(ARGV[6])
 """
 )
 
-# The step proper. KEYS[1] cache, KEYS[2] step key, KEYS[3] the replica's lineage stream.
-# ARGV[1] generation, [2] request digest, [3] record (JSON object without chain fields), [4] step
-# key TTL s, [5] stream maxlen, [6] exact ('1'/'0'), [7] request id. Fenced: KEYS[4] turn,
-# KEYS[5] run hash, ARGV[8] token, [9] run id, [10] request counter after the request.
+# The step proper. KEYS[1] cache, KEYS[2] step key, KEYS[3] the replica's lineage stream,
+# KEYS[4] the record's own key (looked up by request id). ARGV[1] generation, [2] request
+# digest, [3] record (JSON object without chain fields), [4] step key TTL s, [5] stream maxlen,
+# [6] exact ('1'/'0'), [7] request id, [8] record key TTL s. Fenced: KEYS[5] turn, KEYS[6] run
+# hash, ARGV[9] token, [10] run id, [11] request counter after the request.
 # Returns "ok|stale|unordered GEN SEQ BEFORE AFTER KNOWN", or "nochain".
 _STEP = """
 local function bool(b) if b then return 'true' else return 'false' end end
@@ -102,6 +103,7 @@ local function finish(status, gen, seq, before, after, known, exact)
     .. ',"stale":' .. bool(status == 'stale') .. ',"unordered":' .. bool(status == 'unordered')
     .. ',"exact":' .. bool(exact) .. '}'
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'id', ARGV[7], 'r', record)
+  redis.call('SET', KEYS[4], record, 'EX', ARGV[8])
   local answer = table.concat({status, gen, s, before or '-', after or '-',
                                known and '1' or '0'}, ' ')
   redis.call('SET', KEYS[2], answer, 'EX', ARGV[4])
@@ -135,8 +137,8 @@ UNCERTAIN_STEP_LUA = _COMMON + _STEP.replace("FENCE_LOST", "true")
 
 FENCED_STEP_LUA = _COMMON + _STEP.replace(
     "local lost = FENCE_LOST",
-    """local lost = redis.call('GET', KEYS[4]) ~= ARGV[8]
-if not lost then redis.call('HSET', KEYS[5], 'run', ARGV[9], 'count', ARGV[10]) end""",
+    """local lost = redis.call('GET', KEYS[5]) ~= ARGV[9]
+if not lost then redis.call('HSET', KEYS[6], 'run', ARGV[10], 'count', ARGV[11]) end""",
 )
 
 

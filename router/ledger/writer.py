@@ -3,8 +3,8 @@ spool until it is back.
 
 Two kinds of job: a *step* job (a request whose chain step could not run when it ended: it
 runs here, and the step script writes its record into the replica's stream) and an *index* job
-(a finished record's ``kvl:req:ID`` copy and, for eval runs, its entry in the run's stream:
-writes that may be repeated, since readers drop duplicates by request id).
+(an eval record's entry in its run's stream: a write that may be repeated, since readers drop
+duplicates by request id).
 
 Order: every job is submitted to the tail of one in-memory buffer. The writer moves jobs from
 its head, either to Redis or to the end of the spool, so every line in the spool is older than
@@ -37,11 +37,8 @@ from router.ledger.errors import REDIS_FAILURES
 from router.ledger.records import chain_fields, with_chain
 from router.ledger.schema import (
     advance_from,
-    cache_key,
-    replica_lineage_key,
-    request_key,
     run_lineage_key,
-    step_key,
+    step_keys,
     stream_fields,
 )
 from router.ledger.scripts import Scripts
@@ -99,7 +96,7 @@ class Writer:
         self._wake.set()
 
     def index(self, request_id: str, run: object, data: bytes) -> None:
-        """Queue a finished record's indexes (``kvl:req:ID``, the run's stream)."""
+        """Queue an eval record's entry in its run's stream (``kvl:{run:ID}:lineage``)."""
         self.put(Job(request_id, None if run is None else str(run), data))
 
     def drop(self, request_id: str, reason: str) -> None:
@@ -306,11 +303,7 @@ class Writer:
         for job in jobs:
             step = job.step
             assert step is not None
-            keys = [
-                cache_key(step.replica),
-                step_key(step.replica, job.request_id),
-                replica_lineage_key(step.replica),
-            ]
+            keys = step_keys(step.replica, job.request_id)
             args: list[EncodableT] = [
                 step.generation,
                 step.digest,
@@ -319,6 +312,7 @@ class Writer:
                 self._cfg.lineage_maxlen,
                 int(step.exact),
                 job.request_id,
+                self._cfg.request_ttl_s,
             ]
             uncertain = step.tried_ms is not None and step.tried_ms < horizon
             script = self._scripts.uncertain_step if uncertain else self._scripts.step
@@ -330,11 +324,12 @@ class Writer:
     async def _write(self, jobs: list[Job]) -> None:
         if not jobs:
             return
+        indexed = [job for job in jobs if job.run is not None]
+        if not indexed:
+            return
         pipe = self._client.pipeline(transaction=False)
-        for job in jobs:
-            pipe.set(request_key(job.request_id), job.data, ex=self._cfg.request_ttl_s)
-            if job.run is not None:
-                pipe.xadd(run_lineage_key(job.run), stream_fields(job.request_id, job.data))
+        for job in indexed:
+            pipe.xadd(run_lineage_key(str(job.run)), stream_fields(job.request_id, job.data))
         async with asyncio.timeout(self._cfg.redis_timeout_s):
             await pipe.execute()
 
