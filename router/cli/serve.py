@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.ledger.errors import SpoolUnavailable
 from router.logs import configure
 from router.settings import Settings, SettingsError, load_settings
 
@@ -49,10 +50,17 @@ def serve(settings: Settings, print_ready: bool = True) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Exit 2 with one line naming the file and field when the config is wrong (checked before
+    anything starts); exit 1 with one line when the spool cannot be opened (another instance
+    holds it: see ``[lineage] spool_path``)."""
     try:
         settings = load_settings(args.config, os.environ)
     except SettingsError as exc:
         print(f"kvledger: {exc}", file=sys.stderr)
         return 2
-    serve(settings)
+    try:
+        serve(settings)
+    except SpoolUnavailable as exc:
+        print(f"kvledger: {exc}", file=sys.stderr)
+        return 1
     return 0
