@@ -98,7 +98,18 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         backends = factory(settings, app[HTTP])
-        fleet = Fleet({r.id: ReplicaState(r, backends[r.id]) for r in settings.replicas})
+        limits = settings.limits
+        fleet = Fleet(
+            {
+                r.id: ReplicaState(
+                    r,
+                    backends[r.id],
+                    timeout_s=limits.backend_timeout_s,
+                    unhealthy_after=limits.unhealthy_after_timeouts,
+                )
+                for r in settings.replicas
+            }
+        )
         app[FLEET] = fleet
         app[METRICS] = Metrics(fleet, app[LEDGER].stats)
         policy = make_policy(settings.policy, **dict(settings.policy_options))
@@ -109,7 +120,13 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
         app[RUNS] = runs
         app[EVAL] = EvalDispatcher(fleet, app[LEDGER], runs, turns, settings.eval, app[METRICS])
         await _register(store, settings)
-        monitor = Monitor(fleet, app[LEDGER], settings.monitor_interval_s, hook=runs.tick)
+        monitor = Monitor(
+            fleet,
+            app[LEDGER],
+            settings.monitor_interval_s,
+            hook=runs.tick,
+            check_timeout_s=settings.health_timeout_s,
+        )
         await monitor.tick()  # know health and generations before the first request
         task = asyncio.create_task(monitor.run(), name="kvl-monitor")
         try:
