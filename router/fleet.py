@@ -1,13 +1,29 @@
-"""The proxy's local view of its replicas: health, load, lease and the generation it knows."""
+"""The proxy's local view of its replicas: health, load, lease and the generation it knows.
+
+Health has two sources. The monitor's check (readiness and counters, under a short timeout)
+marks a replica that does not answer, or is not ready, unhealthy, and healthy again when it
+answers. Requests add the other: every stream goes through :meth:`ReplicaState.watch`, which
+ends a request that made no progress (no chunk) for ``backend_timeout_s`` by closing its stream,
+which cancels it inside the replica, and answers 504. A replica whose requests time out
+``unhealthy_after_timeouts`` times in a row is *stalled*: unhealthy, so routed around, even
+while its health API still answers (a stuck engine behind a live server), until the monitor
+sees it make progress again (its iteration counter moves) or hold no request at all.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import asyncio
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 
-from backends.base import Backend, ReplicaCounters
+import structlog
+
+from backends.base import Backend, Chunk, ReplicaCounters
 from policies import ReplicaView
+from router.errors import GatewayTimeout
 from router.settings import ReplicaSettings
+
+_log = structlog.get_logger("kvledger.fleet")
 
 
 @dataclass
@@ -28,6 +44,10 @@ class ReplicaState:
     served: int = 0
     reused_blocks: int = 0
     total_blocks: int = 0
+    timeout_s: float = 10.0  # backend_timeout_s: no chunk for this long ends the request
+    unhealthy_after: int = 3  # requests timed out in a row before the replica is stalled
+    timeouts: int = 0  # requests timed out in a row
+    stalled: bool = False
 
     @property
     def id(self) -> str:
@@ -41,6 +61,45 @@ class ReplicaState:
     @property
     def takes_production(self) -> bool:
         return self.healthy and not self.draining and not self.paused and self.leased_by is None
+
+    async def watch(self, stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
+        """``stream`` under the no-progress deadline (see the module docstring)."""
+        try:
+            while True:
+                deadline = asyncio.timeout(self.timeout_s)
+                try:
+                    async with deadline:
+                        chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError as exc:
+                    if not deadline.expired():
+                        raise
+                    self.timed_out()
+                    raise GatewayTimeout(
+                        f"replica {self.id} made no progress for {self.timeout_s:g} s"
+                        " (backend_timeout_s); the request was cancelled"
+                    ) from exc
+                self.timeouts = 0
+                yield chunk
+        finally:
+            await stream.aclose()  # a stream still open is cancelled inside the replica
+
+    def timed_out(self) -> None:
+        self.timeouts += 1
+        if self.timeouts >= self.unhealthy_after and not self.stalled:
+            self.stalled, self.healthy = True, False
+            _log.warning("replica_stalled", replica=self.id, timeouts=self.timeouts)
+
+    def answered(self, before: ReplicaCounters | None, now: ReplicaCounters) -> None:
+        """The monitor's check succeeded: healthy, unless stalled with no sign of progress."""
+        if self.stalled:
+            moved = before is not None and now.iteration_counter > before.iteration_counter
+            if not moved and now.active > 0:
+                return
+            _log.info("replica_recovered", replica=self.id, active=now.active)
+            self.stalled, self.timeouts = False, 0
+        self.healthy = True
 
     def view(self) -> ReplicaView:
         return ReplicaView(
