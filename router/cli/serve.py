@@ -61,6 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         serve(settings)
     except SpoolUnavailable as exc:
-        print(f"kvledger: {exc}", file=sys.stderr)
+        hint = "each instance needs its own [lineage] spool_path (by default it has one)"
+        print(f"kvledger: {exc.__cause__ or exc}; {hint}", file=sys.stderr)
         return 1
     return 0

@@ -85,7 +85,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[KEYS] = KeyStore(redis)
     ledger = Ledger(redis, _ledger_config(settings), structlog.get_logger("kvledger.ledger"))
     app[LEDGER] = ledger
-    await ledger.start()
+    try:
+        await ledger.start()
+    except BaseException:  # e.g. the spool is another instance's: close what was opened
+        await http.close()
+        await redis.aclose()
+        raise
     try:
         yield
     finally:
