@@ -6,13 +6,16 @@ answers. Requests add the other: every stream goes through :meth:`ReplicaState.w
 ends a request that made no progress (no chunk) for ``backend_timeout_s`` by closing its stream,
 which cancels it inside the replica, and answers 504. A replica whose requests time out
 ``unhealthy_after_timeouts`` times in a row is *stalled*: unhealthy, so routed around, even
-while its health API still answers (a stuck engine behind a live server), until the monitor
-sees it make progress again (its iteration counter moves) or hold no request at all.
+while its health API still answers (an engine stuck on one huge request behind a live server).
+The monitor lets it back when the engine holds no request any more (whatever blocked it ended
+or was cancelled), or, failing that, after a cool-off of three deadlines (at least 10 s) on
+probation: one more timeout and it is stalled again, one chunk and it is trusted again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -47,7 +50,7 @@ class ReplicaState:
     timeout_s: float = 10.0  # backend_timeout_s: no chunk for this long ends the request
     unhealthy_after: int = 3  # requests timed out in a row before the replica is stalled
     timeouts: int = 0  # requests timed out in a row
-    stalled: bool = False
+    stalled_at: float | None = None  # when timeouts took it out of routing (monotonic clock)
 
     @property
     def id(self) -> str:
@@ -85,20 +88,26 @@ class ReplicaState:
         finally:
             await stream.aclose()  # a stream still open is cancelled inside the replica
 
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_at is not None
+
     def timed_out(self) -> None:
         self.timeouts += 1
-        if self.timeouts >= self.unhealthy_after and not self.stalled:
-            self.stalled, self.healthy = True, False
+        if self.timeouts >= self.unhealthy_after and self.stalled_at is None:
+            self.stalled_at, self.healthy = time.monotonic(), False
             _log.warning("replica_stalled", replica=self.id, timeouts=self.timeouts)
 
-    def answered(self, before: ReplicaCounters | None, now: ReplicaCounters) -> None:
-        """The monitor's check succeeded: healthy, unless stalled with no sign of progress."""
-        if self.stalled:
-            moved = before is not None and now.iteration_counter > before.iteration_counter
-            if not moved and now.active > 0:
+    def answered(self, counters: ReplicaCounters, now: float) -> None:
+        """The monitor's check succeeded: healthy, unless stalled and still busy."""
+        if self.stalled_at is not None:
+            cooled = now - self.stalled_at >= max(3 * self.timeout_s, 10.0)
+            if counters.active > 0 and not cooled:
                 return
-            _log.info("replica_recovered", replica=self.id, active=now.active)
-            self.stalled, self.timeouts = False, 0
+            # Idle: trusted again. Cooled off but busy: on probation, one timeout from a stall.
+            self.timeouts = 0 if counters.active == 0 else self.unhealthy_after - 1
+            self.stalled_at = None
+            _log.info("replica_recovered", replica=self.id, active=counters.active)
         self.healthy = True
 
     def view(self) -> ReplicaView:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -108,7 +109,7 @@ class Monitor:
         reason = generation_change(replica.counters, now, self._down.get(replica.id, False))
         if reason is not None:
             self._pending[replica.id] = reason
-        replica.answered(replica.counters, now)
+        replica.answered(now, time.monotonic())
         replica.counters = now
         self._down[replica.id] = False
         with contextlib.suppress(LedgerError, BackendError):
