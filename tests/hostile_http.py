@@ -7,6 +7,7 @@ to a socket as bytes, with ``Connection: close``, and the answer is read to the 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -89,10 +90,14 @@ def send(
     """One request on a fresh connection; the whole answer, once the server closes it."""
     data = request_bytes(method, path, list(headers), body)
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-        sock.sendall(data)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(data)  # a server refusing a large body may answer before reading it all
         chunks = []
-        while chunk := sock.recv(1 << 16):
-            chunks.append(chunk)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 16):
+                chunks.append(chunk)
+    if not chunks:
+        raise ConnectionError("the server closed the connection without an answer")
     return parse_answer(b"".join(chunks))
 
 
