@@ -14,7 +14,6 @@ probation: one more timeout and it is stalled again, one chunk and it is trusted
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import structlog
 
 from backends.base import Backend, Chunk, ReplicaCounters
 from policies import ReplicaView
+from router.deadline import Deadline
 from router.errors import GatewayTimeout
 from router.settings import ReplicaSettings
 
@@ -67,15 +67,15 @@ class ReplicaState:
 
     async def watch(self, stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
         """``stream`` under the no-progress deadline (see the module docstring)."""
+        deadline = Deadline(self.timeout_s)
         try:
             while True:
-                deadline = asyncio.timeout(self.timeout_s)
+                deadline.waiting()
                 try:
-                    async with deadline:
-                        chunk = await anext(stream)
+                    chunk = await anext(stream)
                 except StopAsyncIteration:
                     return
-                except TimeoutError as exc:
+                except BaseException as exc:  # the deadline's cancel, as the backend passed it on
                     if not deadline.expired():
                         raise
                     self.timed_out()
@@ -83,9 +83,12 @@ class ReplicaState:
                         f"replica {self.id} made no progress for {self.timeout_s:g} s"
                         " (backend_timeout_s); the request was cancelled"
                     ) from exc
+                finally:
+                    deadline.done()
                 self.timeouts = 0
                 yield chunk
         finally:
+            deadline.close()
             await stream.aclose()  # a stream still open is cancelled inside the replica
 
     @property

@@ -108,6 +108,20 @@ async def test_closing_a_watched_stream_closes_the_backend_stream() -> None:
     assert closed == [True]
 
 
+async def test_a_cancel_from_elsewhere_is_not_a_timeout() -> None:
+    """A client gone while waiting for a chunk cancels the request; it is not a 504."""
+    closed: list[bool] = []
+    replica = state(timeout_s=30)
+    watched = replica.watch(_silent(closed))
+    await anext(watched)
+    waiting = asyncio.ensure_future(anext(watched))
+    await asyncio.sleep(0)  # let it start waiting
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert closed == [True] and replica.timeouts == 0
+
+
 def test_timeouts_in_a_row_stall_until_idle_or_cooled_off() -> None:
     """Three timeouts in a row: unhealthy while busy; back when idle, or on probation later."""
     r = state(timeout_s=1.0)
