@@ -90,20 +90,6 @@ class EvalSettings:
 
 
 @dataclass(frozen=True)
-class ServerSettings:
-    """``[server]``: only for checking the table; its values live on :class:`Settings`."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    admin_token_env: str = "KVL_ADMIN_TOKEN"
-    allow_anonymous: bool = False
-    monitor_interval_s: float = 2.0
-    health_timeout_s: float = 3.0  # a replica's health check that takes longer fails
-    log_level: LogLevel = "info"
-
-
-@dataclass(frozen=True)
 class Settings:
     replicas: tuple[ReplicaSettings, ...]
     host: str = "127.0.0.1"
@@ -115,7 +101,7 @@ class Settings:
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     allow_anonymous: bool = False
     monitor_interval_s: float = 2.0
-    health_timeout_s: float = 3.0
+    health_timeout_s: float = 3.0  # a replica's health check that takes longer fails
     chat_templates: Mapping[str, ChatTemplate] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     lineage: LineageSettings = field(default_factory=LineageSettings)
@@ -131,6 +117,12 @@ class Settings:
 
 
 _SECTIONS = ("server", "routing", "limits", "lineage", "eval", "chat_templates", "replicas")
+# Settings fields that are not keys of [server]: the other sections, and the admin token itself
+# (only the name of the variable holding it is configured).
+_NOT_SERVER = frozenset(
+    ("replicas", "admin_token", "policy", "policy_options", "chat_templates")
+    + ("limits", "lineage", "eval")
+)
 
 
 def _replicas(raw: Mapping[str, Any], source: str) -> tuple[ReplicaSettings, ...]:
@@ -189,7 +181,7 @@ def build_settings(
     unknown = sorted(set(raw) - set(_SECTIONS))
     if unknown:
         raise SettingsError(f"{source}: unknown section(s) {unknown}; known: {list(_SECTIONS)}")
-    server = check_table(raw.get("server", {}), ServerSettings, f"{source}: [server]")
+    server = check_table(raw.get("server", {}), Settings, f"{source}: [server]", _NOT_SERVER)
     host, port = server.pop("host", "127.0.0.1"), server.pop("port", 8000)
     if "KVL_LISTEN" in env:
         host, port = _listen(env["KVL_LISTEN"])

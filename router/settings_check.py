@@ -77,12 +77,15 @@ def _range(value: float, where: str) -> None:
         raise SettingsError(f"{where}: expected a port from 0 to 65535, got {value!r}")
 
 
-def check_table(table: Any, cls: type[Any], where: str) -> dict[str, Any]:
-    """The values of ``table`` for the dataclass ``cls``: unknown keys and wrong types refused."""
+def check_table(
+    table: Any, cls: type[Any], where: str, exclude: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """The values of ``table`` for the dataclass ``cls`` (but for its fields in ``exclude``):
+    unknown keys and wrong types refused."""
     if not isinstance(table, Mapping):
         raise SettingsError(f"{where}: expected a table, got {table!r} ({_kind(table)})")
     hints = get_type_hints(cls)
-    known = [name for name in cls.__dataclass_fields__]
+    known = [name for name in cls.__dataclass_fields__ if name not in exclude]
     unknown = sorted(set(table) - set(known))
     if unknown:
         raise SettingsError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
