@@ -263,8 +263,12 @@ def test_replica_killed_mid_stream_ends_each_stream_with_an_error_event(
     assert orjson.loads(triton_events[-1])["error"]["type"] == "upstream_error"
     assert openai_events[-1] == b"[DONE]"
     assert orjson.loads(openai_events[-2])["error"]["type"] == "upstream_error"
+    # Records are written behind the response: each shows up shortly after its stream ended.
     ledger = LedgerView(redis_server.url)
-    records = [ledger.record(s.request_id) for s in streams]
+    deadline = time.monotonic() + 30  # a safety net against a hang, not a measure
+    while (records := [ledger.record(s.request_id) for s in streams]).count(None):
+        assert time.monotonic() < deadline, records
+        time.sleep(0.1)
     assert [r and r["status"] for r in records] == ["error", "error"]
 
 

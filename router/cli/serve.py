@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
@@ -30,11 +31,23 @@ def _event_loop_policy() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+class _AnsweredBodyErrors(logging.Filter):
+    """aiohttp drains a request's unread body after the handler answered; when that body could
+    not be decoded, the drain raises the error again and aiohttp logs a traceback, although the
+    client already has its 400. One traceback per hostile request would let anyone flood the
+    log, so these records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, web.RequestPayloadError)
+
+
 def serve(settings: Settings, print_ready: bool = True) -> None:
     """Run until SIGINT or SIGTERM; aiohttp runs the cleanup contexts on the way out."""
     from router.http.app import create_app  # imported here: other commands need not pay for it
 
     configure(settings.log_level)
+    logging.getLogger("aiohttp.server").addFilter(_AnsweredBodyErrors())
     _event_loop_policy()
     app = create_app(settings)
     if print_ready:
