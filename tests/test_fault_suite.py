@@ -87,6 +87,7 @@ class Stream:
         self.sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=120)
         self.sock.sendall(data)
         self.raw = b""
+        self.frozen_at = 0.0  # when its replica was stopped, if it was
         while b"\r\n\r\n" not in self.raw:
             self.raw += self.sock.recv(1 << 16)
         head = self.raw.split(b"\r\n\r\n")[0].decode("latin-1").lower()
@@ -117,6 +118,21 @@ class Stream:
             self.raw += data
         return True
 
+    def unfinished(self, quiet_s: float = 0.5) -> bool:
+        """With the replica frozen: True when what was in flight has arrived (nothing for
+        ``quiet_s``) and the stream has not ended."""
+        self.sock.settimeout(quiet_s)
+        try:
+            while data := self.sock.recv(1 << 16):
+                self.raw += data
+                if b"kvledger" in data:
+                    return False
+            return False
+        except TimeoutError:
+            return True
+        finally:
+            self.sock.settimeout(120)
+
     def read_to_end(self) -> list[bytes]:
         """Everything until the proxy closes the connection (``Connection: close``)."""
         while data := self.sock.recv(1 << 16):
@@ -143,6 +159,32 @@ def stream_on(
 GENERATE = ("/v2/models/ensemble/generate_stream", {"text_input": "long story"})
 
 
+def frozen_mid_stream(
+    proxy: ProxyProcess,
+    key: str,
+    replica: Replica,
+    path: str,
+    body: dict[str, Any],
+    *,
+    group: bool = True,
+) -> Stream:
+    """A stream on ``replica`` that has sent tokens, with the replica stopped (SIGSTOP: its
+    server, and with ``group`` its model's stub too) before the model could end the stream by
+    itself (its random weights do, now and then)."""
+    assert replica.process is not None
+    pid = replica.process.pid
+    signal_it = os.killpg if group else os.kill
+    for _ in range(5):
+        stream = stream_on(proxy, key, replica.id, path, body)
+        signal_it(pid, signal.SIGSTOP)
+        stream.frozen_at = time.monotonic()
+        if stream.unfinished():
+            return stream
+        stream.close()
+        signal_it(pid, signal.SIGCONT)
+    raise AssertionError(f"every stream on {replica.id} ended by itself")
+
+
 def test_stopped_replica_is_routed_around_and_comes_back(
     pair: tuple[ProxyProcess, str, dict[str, Replica], LedgerView],
 ) -> None:
@@ -153,14 +195,14 @@ def test_stopped_replica_is_routed_around_and_comes_back(
     stopped = running["fa"]
     assert stopped.process is not None
     generation = ledger.head("fa")["generation"]
-    stream = stream_on(proxy, key, "fa", *GENERATE)
-    os.kill(stopped.process.pid, signal.SIGSTOP)
-    stopped_at = time.monotonic()
+    stream = frozen_mid_stream(proxy, key, stopped, *GENERATE, group=False)
     try:
         last = orjson.loads(stream.read_to_end()[-1])
         assert last["error"]["code"] == "replica_timeout", last
         wait_health(proxy, "fa", False)
-        print(f"\nfa unhealthy in /readyz {time.monotonic() - stopped_at:.1f} s after SIGSTOP")
+        print(
+            f"\nfa unhealthy in /readyz {time.monotonic() - stream.frozen_at:.1f} s after SIGSTOP"
+        )
         placed = [complete(proxy, key) for _ in range(6)]
         assert [a.status for a in placed] == [200] * 6
         assert {a.headers["x-kvl-replica"] for a in placed} == {"fb"}
@@ -250,8 +292,8 @@ def test_replica_killed_mid_stream_ends_each_stream_with_an_error_event(
                 "messages": [{"role": "user", "content": "go"}],
             }
             streams = [
-                stream_on(proxies[0], key, "ka", *GENERATE),
-                stream_on(proxies[1], key, "kb", "/v1/chat/completions", chat),
+                frozen_mid_stream(proxies[0], key, ka, *GENERATE),
+                frozen_mid_stream(proxies[1], key, kb, "/v1/chat/completions", chat),
             ]
             for replica in (ka, kb):
                 assert replica.process is not None
