@@ -116,7 +116,8 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raw = await request.read()
     except web.RequestPayloadError as exc:
         encoding = request.headers.get("Content-Encoding")
-        cause = str(exc.__cause__ or exc).strip().splitlines()[-1].strip()
+        lines = str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__]
+        cause = lines[-1].strip()
         if encoding:
             raise BadRequest(
                 f"the request body could not be decoded as Content-Encoding {encoding!r}: {cause}",
