@@ -5,13 +5,15 @@
     KvlError                        status, OpenAI error type and code
      ├── ClientError                4xx: the client's mistake, never a 500
      │    ├── BadRequest            400 invalid_request_error (malformed JSON, bad fields)
+     │    │    └── PromptTooLong    400 context_length_exceeded: more tokens than the model takes
      │    ├── Unauthorized          401 missing or unknown API key, wrong admin token
      │    ├── NotFound              404 unknown model, request id, run or replica
      │    ├── Conflict              409 the state does not allow it (e.g. a replica is leased)
      │    └── PayloadTooLarge       413 body over the configured limit
      └── ServiceError               5xx: ours or a replica's
           ├── Unavailable           503 no replica can serve; eval without Redis (Retry-After)
-          └── UpstreamFailed        502 the replica failed after accepting the request
+          ├── UpstreamFailed        502 the replica failed after accepting the request
+          └── GatewayTimeout        504 the replica made no progress for backend_timeout_s
 
 Dependency errors (backends, Redis) are translated where they are caught. ``router.http.errors``
 maps the tree to HTTP responses; anything else that reaches it is a bug, logged with its
@@ -43,6 +45,10 @@ class ClientError(KvlError):
 
 class BadRequest(ClientError):
     pass
+
+
+class PromptTooLong(BadRequest):
+    code = "context_length_exceeded"
 
 
 class Unauthorized(ClientError):
@@ -80,3 +86,9 @@ class UpstreamFailed(ServiceError):
     status = 502
     type = "upstream_error"
     code = "replica_failed"
+
+
+class GatewayTimeout(ServiceError):
+    status = 504
+    type = "timeout"
+    code = "replica_timeout"

@@ -1,13 +1,32 @@
-"""The proxy's local view of its replicas: health, load, lease and the generation it knows."""
+"""The proxy's local view of its replicas: health, load, lease and the generation it knows.
+
+Health has two sources. The monitor's check (readiness and counters, under a short timeout)
+marks a replica that does not answer, or is not ready, unhealthy, and healthy again when it
+answers. Requests add the other: every stream goes through :meth:`ReplicaState.watch`, which
+ends a request that made no progress (no chunk) for ``backend_timeout_s`` by closing its stream,
+which cancels it inside the replica, and answers 504. A replica whose requests time out
+``unhealthy_after_timeouts`` times in a row is *stalled*: unhealthy, so routed around, even
+while its health API still answers (an engine stuck on one huge request behind a live server).
+The monitor lets it back when the engine holds no request any more (whatever blocked it ended
+or was cancelled), or, failing that, after a cool-off of three deadlines (at least 10 s) on
+probation: one more timeout and it is stalled again, one chunk and it is trusted again.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 
-from backends.base import Backend, ReplicaCounters
+import structlog
+
+from backends.base import Backend, Chunk, ReplicaCounters
 from policies import ReplicaView
+from router.deadline import Deadline
+from router.errors import GatewayTimeout
 from router.settings import ReplicaSettings
+
+_log = structlog.get_logger("kvledger.fleet")
 
 
 @dataclass
@@ -28,6 +47,10 @@ class ReplicaState:
     served: int = 0
     reused_blocks: int = 0
     total_blocks: int = 0
+    timeout_s: float = 10.0  # backend_timeout_s: no chunk for this long ends the request
+    unhealthy_after: int = 3  # requests timed out in a row before the replica is stalled
+    timeouts: int = 0  # requests timed out in a row
+    stalled_at: float | None = None  # when timeouts took it out of routing (monotonic clock)
 
     @property
     def id(self) -> str:
@@ -52,6 +75,54 @@ class ReplicaState:
             and not self.paused
             and self.leased_by is None
         )
+
+    async def watch(self, stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
+        """``stream`` under the no-progress deadline (see the module docstring)."""
+        deadline = Deadline(self.timeout_s)
+        try:
+            while True:
+                deadline.waiting()
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except BaseException as exc:  # the deadline's cancel, as the backend passed it on
+                    if not deadline.expired():
+                        raise
+                    self.timed_out()
+                    raise GatewayTimeout(
+                        f"replica {self.id} made no progress for {self.timeout_s:g} s"
+                        " (backend_timeout_s); the request was cancelled"
+                    ) from exc
+                finally:
+                    deadline.done()
+                self.timeouts = 0
+                yield chunk
+        finally:
+            deadline.close()
+            await stream.aclose()  # a stream still open is cancelled inside the replica
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_at is not None
+
+    def timed_out(self) -> None:
+        self.timeouts += 1
+        if self.timeouts >= self.unhealthy_after and self.stalled_at is None:
+            self.stalled_at, self.healthy = time.monotonic(), False
+            _log.warning("replica_stalled", replica=self.id, timeouts=self.timeouts)
+
+    def answered(self, counters: ReplicaCounters, now: float) -> None:
+        """The monitor's check succeeded: healthy, unless stalled and still busy."""
+        if self.stalled_at is not None:
+            cooled = now - self.stalled_at >= max(3 * self.timeout_s, 10.0)
+            if counters.active > 0 and not cooled:
+                return
+            # Idle: trusted again. Cooled off but busy: on probation, one timeout from a stall.
+            self.timeouts = 0 if counters.active == 0 else self.unhealthy_after - 1
+            self.stalled_at = None
+            _log.info("replica_recovered", replica=self.id, active=counters.active)
+        self.healthy = True
 
     def view(self) -> ReplicaView:
         return ReplicaView(

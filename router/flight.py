@@ -126,7 +126,7 @@ async def take_off(
     """
     started = time.perf_counter()
     replica.in_flight += 1
-    stream = replica.backend.stream(parsed.request)
+    stream = replica.watch(replica.backend.stream(parsed.request))  # the no-progress deadline
     try:
         first = await anext(stream)
     except BaseException:

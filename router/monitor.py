@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -52,10 +53,14 @@ class Monitor:
         ledger: Ledger,
         interval_s: float,
         hook: Callable[[], Awaitable[None]] | None = None,
+        check_timeout_s: float = 3.0,
     ) -> None:
         self.fleet = fleet
         self.ledger = ledger
         self.interval_s = interval_s
+        # A replica that cannot answer its health check in this long (stopped, overloaded) is
+        # unhealthy now, not after the backend's own timeouts: routing moves away within a tick.
+        self.check_timeout_s = check_timeout_s
         self.hook = hook  # runs first each tick (leases and resets from Redis, idle runs)
         self._down: dict[str, bool] = {}
         self._pending: dict[str, str] = {}
@@ -81,9 +86,19 @@ class Monitor:
             self._down.pop(replica.id, None)
             return
         try:
-            now = await replica.backend.counters()
+            async with asyncio.timeout(self.check_timeout_s):
+                now = await replica.backend.counters()
         except BackendError:
             now = ReplicaCounters(ready=False)
+        except TimeoutError:
+            # Unresponsive is not down: nothing says its cache was emptied, so the generation
+            # stays; a restart behind it shows as counters that went backwards.
+            if replica.healthy:
+                _log.warning(
+                    "replica_unresponsive", replica=replica.id, after_s=self.check_timeout_s
+                )
+            replica.healthy = False
+            return
         if replica.paused:  # a reset began while the counters were being read
             return
         if not now.ready:
@@ -96,9 +111,9 @@ class Monitor:
         reason = generation_change(replica.counters, now, self._down.get(replica.id, False))
         if reason is not None:
             self._pending[replica.id] = reason
+        replica.answered(now, time.monotonic())
         replica.counters = now
         self._down[replica.id] = False
-        replica.healthy = True
         with contextlib.suppress(LedgerError, BackendError):
             await self._sync(replica, now)
 

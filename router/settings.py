@@ -3,27 +3,37 @@
 Nothing below ``create_app`` reads ``os.environ`` or a file: it gets a :class:`Settings`.
 The environment may override ``KVL_REDIS_URL`` (or ``REDIS_URL``) and ``KVL_LISTEN``
 (``host:port``); the admin token is read from the variable the config names.
+
+Every value is checked here, at start: an unknown section or key, a value of the wrong type,
+a negative number or a broken chat template is a :class:`SettingsError` naming the file, the
+field and what was expected, so ``kvledger serve`` fails in one line instead of a request
+failing later (the checks themselves are in ``router.settings_check``).
 """
 
 from __future__ import annotations
 
 import functools
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from policies import DEFAULT_POLICY, PolicyName, make_policy
+from policies import DEFAULT_POLICY, PolicyName
+from router.settings_check import SettingsError, check_table, check_template, routing_options
 
 Transport = Literal["http", "grpc"]
 TRANSPORTS: tuple[Transport, ...] = ("http", "grpc")
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 DEFAULT_MESSAGE_TEMPLATE = "<|{role}|>\n{content}\n"
 DEFAULT_GENERATION_PROMPT = "<|assistant|>\n"
+# One spool per instance: two proxies started from one config file must not share it (the
+# spool is locked), and they differ at least in machine or port. Placeholders may be used in
+# an explicit spool_path too.
+DEFAULT_SPOOL = "kvledger-spool-{hostname}-{port}.jsonl"
 
-
-class SettingsError(ValueError):
-    """The config file or environment is wrong; the message says where."""
+__all__ = ["SettingsError"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,12 @@ class ReplicaSettings:
     seed_input: str = "seed"
     perf_input: str = "return_perf_metrics"
     token_counts: bool = True
+    # The engine's max_input_len in tokens (0: not known here; the replica still enforces it),
+    # and the most UTF-8 bytes one token of its tokenizer can stand for (0: not known). With
+    # both, a prompt of more than max_input_len * max_token_bytes bytes has certainly more
+    # tokens than the engine takes, and the proxy refuses it without asking the replica.
+    max_input_len: int = 0
+    max_token_bytes: int = 0
     # How generations reach the replica: Triton's HTTP generate_stream over keep-alive (needs
     # ``http``; a replica without it defaults to grpc), or gRPC stream_infer. Model control and
     # statistics use gRPC either way.
@@ -66,7 +82,8 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_tokens: int = 4096
     request_timeout_s: float = 300.0
-    backend_timeout_s: float = 10.0
+    backend_timeout_s: float = 10.0  # no progress (a chunk) for this long: cancel, 504
+    unhealthy_after_timeouts: int = 3  # in a row on one replica: routed around until it recovers
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,7 @@ class LineageSettings:
     stream_maxlen: int = 1_000_000
     request_ttl_s: int = 7 * 24 * 3600
     buffer_size: int = 10_000
-    spool_path: Path = Path("kvledger-spool.jsonl")
+    spool_path: Path = Path(DEFAULT_SPOOL)
 
 
 @dataclass(frozen=True)
@@ -102,11 +119,12 @@ class Settings:
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     allow_anonymous: bool = False
     monitor_interval_s: float = 2.0
+    health_timeout_s: float = 3.0  # a replica's health check that takes longer fails
     chat_templates: Mapping[str, ChatTemplate] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     lineage: LineageSettings = field(default_factory=LineageSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
-    log_level: str = "info"
+    log_level: LogLevel = "info"
 
     @functools.cached_property
     def models(self) -> tuple[str, ...]:
@@ -117,104 +135,111 @@ class Settings:
         return self.chat_templates.get(model, ChatTemplate())
 
 
-def _section(raw: Mapping[str, Any], name: str, cls: type[Any]) -> Any:
-    table = raw.get(name, {})
-    known = set(cls.__dataclass_fields__)
-    unknown = set(table) - known
-    if unknown:
-        raise SettingsError(f"[{name}]: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**table)
+_SECTIONS = ("server", "routing", "limits", "lineage", "eval", "chat_templates", "replicas")
+# Settings fields that are not keys of [server]: the other sections, and the admin token itself
+# (only the name of the variable holding it is configured).
+_NOT_SERVER = frozenset(
+    ("replicas", "admin_token", "policy", "policy_options", "chat_templates")
+    + ("limits", "lineage", "eval")
+)
 
 
-def _replicas(raw: Mapping[str, Any]) -> tuple[ReplicaSettings, ...]:
+def _replicas(raw: Mapping[str, Any], source: str) -> tuple[ReplicaSettings, ...]:
     tables = raw.get("replicas", [])
-    if not tables:
-        raise SettingsError("the config names no [[replicas]]")
+    if not isinstance(tables, list) or not tables:
+        raise SettingsError(f"{source}: the config names no [[replicas]]")
     replicas = []
     for i, table in enumerate(tables):
-        missing = {"id", "grpc", "metrics"} - set(table)
+        where = f"{source}: [[replicas]] #{i + 1}"
+        values = check_table(table, ReplicaSettings, where)
+        missing = {"id", "grpc", "metrics"} - set(values)
         if missing:
-            raise SettingsError(f"[[replicas]] #{i + 1}: missing {sorted(missing)}")
-        if "transport" not in table and not table.get("http"):
-            table = {**table, "transport": "grpc"}  # the default needs an http URL; none given
-        try:
-            replicas.append(ReplicaSettings(**table))
-        except TypeError as exc:
-            raise SettingsError(f"[[replicas]] #{i + 1}: {exc}") from exc
-        if not isinstance(table.get("production", False), bool):
-            raise SettingsError(f"[[replicas]] #{i + 1}: production must be true or false")
-        _check_transport(replicas[-1], i)
+            raise SettingsError(f"{where}: missing {sorted(missing)}")
+        if "transport" not in values and not values.get("http"):
+            values["transport"] = "grpc"  # the default needs an http URL; none given
+        replicas.append(ReplicaSettings(**values))
+        _check_transport(replicas[-1], where)
     ids = [r.id for r in replicas]
     if len(set(ids)) != len(ids):
-        raise SettingsError(f"replica ids must be unique: {ids}")
+        raise SettingsError(f"{source}: [[replicas]]: ids must be unique, got {ids}")
     return tuple(replicas)
 
 
-def _routing(raw: Mapping[str, Any]) -> tuple[PolicyName, dict[str, Any]]:
-    """``[routing]``: the policy's name and its options, checked by building it once, so a
-    misspelt option (or one another policy takes) fails here and not at the first request."""
-    options = dict(raw.get("routing", {}))
-    name = options.pop("policy", DEFAULT_POLICY)
-    try:
-        make_policy(name, **options)
-    except (TypeError, ValueError) as exc:
-        raise SettingsError(f"[routing]: policy {name!r}: {exc}") from exc
-    return name, options
+def _templates(raw: Mapping[str, Any], source: str) -> dict[str, ChatTemplate]:
+    tables = raw.get("chat_templates", {})
+    if not isinstance(tables, dict):
+        raise SettingsError(f"{source}: [chat_templates]: expected [chat_templates.MODEL] tables")
+    templates = {}
+    for model, table in tables.items():
+        where = f"{source}: [chat_templates.{model}]"
+        template = ChatTemplate(**check_table(table, ChatTemplate, where))
+        check_template(template.message, where + " message")
+        templates[model] = template
+    return templates
 
 
-def _check_transport(replica: ReplicaSettings, index: int) -> None:
+def _check_transport(replica: ReplicaSettings, where: str) -> None:
     if replica.transport not in TRANSPORTS:
         raise SettingsError(
-            f"[[replicas]] #{index + 1}: transport must be one of {list(TRANSPORTS)}, "
-            f"not {replica.transport!r}"
+            f"{where} transport: expected one of {list(TRANSPORTS)}, got {replica.transport!r}"
         )
     if replica.transport == "http" and not replica.http:
         raise SettingsError(
-            f'[[replicas]] #{index + 1} ({replica.id}): transport "http" needs the replica\'s '
-            '"http" URL (or transport = "grpc")'
+            f'{where} ({replica.id}): transport "http" needs the replica\'s "http" URL'
+            ' (or transport = "grpc")'
         )
 
 
 def _listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise SettingsError(f"KVL_LISTEN must be host:port, not {value!r}")
+    if not sep or not port.isascii() or not port.isdigit() or int(port) > 65535:
+        raise SettingsError(f"environment variable KVL_LISTEN must be host:port, not {value!r}")
     return host or "127.0.0.1", int(port)
 
 
-def build_settings(raw: Mapping[str, Any], env: Mapping[str, str], base: Path) -> Settings:
+def _spool(lineage: Mapping[str, Any], base: Path, host: str, port: int, hostname: str) -> Path:
+    pattern = str(lineage.get("spool_path", DEFAULT_SPOOL))
+    name = pattern.replace("{hostname}", hostname).replace("{host}", host)
+    return base / name.replace("{port}", str(port))
+
+
+def build_settings(
+    raw: Mapping[str, Any],
+    env: Mapping[str, str],
+    base: Path,
+    *,
+    source: str = "config",
+    hostname: str | None = None,
+) -> Settings:
     """Settings from a parsed TOML document and an environment (both injected for tests)."""
-    server = dict(raw.get("server", {}))
-    lineage = _section(raw, "lineage", LineageSettings)
-    lineage = LineageSettings(**{**lineage.__dict__, "spool_path": base / lineage.spool_path})
-    templates = {
-        model: ChatTemplate(**table) for model, table in raw.get("chat_templates", {}).items()
-    }
-    host, port = server.pop("host", "127.0.0.1"), int(server.pop("port", 8000))
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise SettingsError(f"{source}: unknown section(s) {unknown}; known: {list(_SECTIONS)}")
+    server = check_table(raw.get("server", {}), Settings, f"{source}: [server]", _NOT_SERVER)
+    host, port = server.pop("host", "127.0.0.1"), server.pop("port", 8000)
     if "KVL_LISTEN" in env:
         host, port = _listen(env["KVL_LISTEN"])
     redis_url = env.get("KVL_REDIS_URL") or env.get("REDIS_URL") or server.pop("redis_url", None)
     server.pop("redis_url", None)
     token_env = server.pop("admin_token_env", "KVL_ADMIN_TOKEN")
-    policy, policy_options = _routing(raw)
-    try:
-        return Settings(
-            replicas=_replicas(raw),
-            host=host,
-            port=port,
-            redis_url=redis_url or Settings.redis_url,
-            admin_token=env.get(token_env) or None,
-            admin_token_env=token_env,
-            policy=policy,
-            policy_options=policy_options,
-            chat_templates=templates,
-            limits=_section(raw, "limits", Limits),
-            lineage=lineage,
-            eval=_section(raw, "eval", EvalSettings),
-            **server,
-        )
-    except TypeError as exc:
-        raise SettingsError(f"[server]: {exc}") from exc
+    lineage = check_table(raw.get("lineage", {}), LineageSettings, f"{source}: [lineage]")
+    spool = _spool(lineage, base, host, port, hostname or socket.gethostname())
+    policy, options = routing_options(raw.get("routing", {}), f"{source}: [routing]")
+    return Settings(
+        replicas=_replicas(raw, source),
+        host=host,
+        port=port,
+        redis_url=redis_url or Settings.redis_url,
+        admin_token=env.get(token_env) or None,
+        admin_token_env=token_env,
+        policy=cast(PolicyName, policy),  # checked against the policies' names
+        policy_options=options,
+        chat_templates=_templates(raw, source),
+        limits=Limits(**check_table(raw.get("limits", {}), Limits, f"{source}: [limits]")),
+        lineage=LineageSettings(**{**lineage, "spool_path": spool}),
+        eval=EvalSettings(**check_table(raw.get("eval", {}), EvalSettings, f"{source}: [eval]")),
+        **server,
+    )
 
 
 def load_settings(path: Path, env: Mapping[str, str]) -> Settings:
@@ -223,6 +248,6 @@ def load_settings(path: Path, env: Mapping[str, str]) -> Settings:
         raw = tomllib.loads(path.read_text())
     except OSError as exc:
         raise SettingsError(f"cannot read config {path}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise SettingsError(f"config {path} is not valid TOML: {exc}") from exc
-    return build_settings(raw, env, path.resolve().parent)
+    return build_settings(raw, env, path.resolve().parent, source=str(path))

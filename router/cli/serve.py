@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.ledger.errors import SpoolUnavailable
 from router.logs import configure
 from router.settings import Settings, SettingsError, load_settings
 
@@ -29,11 +31,23 @@ def _event_loop_policy() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+class _AnsweredBodyErrors(logging.Filter):
+    """aiohttp drains a request's unread body after the handler answered; when that body could
+    not be decoded, the drain raises the error again and aiohttp logs a traceback, although the
+    client already has its 400. One traceback per hostile request would let anyone flood the
+    log, so these records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, web.RequestPayloadError)
+
+
 def serve(settings: Settings, print_ready: bool = True) -> None:
     """Run until SIGINT or SIGTERM; aiohttp runs the cleanup contexts on the way out."""
     from router.http.app import create_app  # imported here: other commands need not pay for it
 
     configure(settings.log_level)
+    logging.getLogger("aiohttp.server").addFilter(_AnsweredBodyErrors())
     _event_loop_policy()
     app = create_app(settings)
     if print_ready:
@@ -49,10 +63,18 @@ def serve(settings: Settings, print_ready: bool = True) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Exit 2 with one line naming the file and field when the config is wrong (checked before
+    anything starts); exit 1 with one line when the spool cannot be opened (another instance
+    holds it: see ``[lineage] spool_path``)."""
     try:
         settings = load_settings(args.config, os.environ)
     except SettingsError as exc:
         print(f"kvledger: {exc}", file=sys.stderr)
         return 2
-    serve(settings)
+    try:
+        serve(settings)
+    except SpoolUnavailable as exc:
+        hint = "each instance needs its own [lineage] spool_path (by default it has one)"
+        print(f"kvledger: {exc.__cause__ or exc}; {hint}", file=sys.stderr)
+        return 1
     return 0

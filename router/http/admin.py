@@ -35,7 +35,7 @@ from aiohttp import web
 from router.errors import BadRequest, ClientError, Conflict, NotFound, Unauthorized, Unavailable
 from router.eval.profiles import REPLAY, ProfileError, check_fleet, now_iso, validate_profile
 from router.fleet import ReplicaState
-from router.http.context import FLEET, KEYS, LEDGER, RUNS, SETTINGS, read_json
+from router.http.context import FLEET, KEYS, LEDGER, RUNS, SETTINGS, read_json, single_header
 from router.ledger import ChainHead, LedgerUnavailable
 
 AdminHandler = Callable[[web.Request], Awaitable[web.Response]]
@@ -65,11 +65,13 @@ def _check_token(request: web.Request) -> None:
             "admin API disabled: set the environment variable named by server.admin_token_env"
             f" ({settings.admin_token_env}) and restart the proxy"
         )
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    scheme, _, token = (single_header(request, "Authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("missing admin token: send 'Authorization: Bearer <admin token>'")
-    # Constant time, on bytes: compare_digest refuses non-ASCII str, and a header may hold any.
-    if not hmac.compare_digest(token.strip().encode(), settings.admin_token.encode()):
+    # Constant time, on bytes: compare_digest refuses non-ASCII str, and a header may hold any
+    # (an undecodable byte arrives as a lone surrogate: surrogateescape gives the byte back).
+    sent = token.strip().encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(sent, settings.admin_token.encode("utf-8", "surrogateescape")):
         _log.warning("admin_token_rejected", path=request.path, remote=request.remote)
         raise Unauthorized("invalid admin token")
 
@@ -99,6 +101,9 @@ def query_params(request: web.Request, allowed: tuple[str, ...]) -> dict[str, st
     unknown = sorted(set(request.query) - set(allowed))
     if unknown:
         raise BadRequest(f"unknown query parameter(s) {unknown}; known: {list(allowed)}")
+    for name in allowed:
+        if len(request.query.getall(name, ())) > 1:
+            raise BadRequest(f"query parameter '{name}' given more than once", param=name)
     return {name: value for name, value in request.query.items() if value}
 
 
@@ -106,7 +111,8 @@ def count_param(query: Mapping[str, str], default: int) -> int:
     raw = query.get("count")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_COUNT:
+    # isascii first: str.isdigit() is true for digits int() refuses, such as '²'.
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_COUNT:
         raise BadRequest(f"count must be an integer from 1 to {MAX_COUNT}", param="count")
     return int(raw)
 

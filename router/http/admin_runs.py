@@ -35,7 +35,11 @@ from router.ledger.keys import Profile
 
 def _model(request: web.Request, body: dict[str, Any]) -> str:
     models = request.app[SETTINGS].models
-    model = body.get("model") or models[0]
+    model = body.get("model")
+    if model is None:
+        return models[0]
+    if not isinstance(model, str):
+        raise BadRequest(f"'model' must be a string, one of {list(models)}", param="model")
     if model not in models:
         raise NotFound(f"model '{model}' is not served here; served: {list(models)}", param="model")
     return str(model)
@@ -148,6 +152,15 @@ def _requests(request: web.Request, raw: Any, model: str) -> list[dict[str, Any]
     return out
 
 
+def _from_run(body: dict[str, Any]) -> tuple[str, int | None]:
+    source, upto = body["from_run"], body.get("upto")
+    if not isinstance(source, str) or not source:
+        raise BadRequest("'from_run' must be a run id such as 'arm.1'", param="from_run")
+    if upto is not None and (not isinstance(upto, int) or isinstance(upto, bool)):
+        raise BadRequest("'upto' must be an integer", param="upto")
+    return source, upto
+
+
 async def save_snapshot(request: web.Request) -> web.Response:
     body = await read_json(request)
     name = body.get("name")
@@ -157,11 +170,9 @@ async def save_snapshot(request: web.Request) -> web.Response:
     with redis_errors("save the snapshot"):
         if await runs.store.snapshot(name) is not None:
             raise Conflict(f"a snapshot named '{name}' exists; delete it first", param="name")
-        if body.get("from_run"):
-            upto = body.get("upto")
-            if upto is not None and (not isinstance(upto, int) or isinstance(upto, bool)):
-                raise BadRequest("'upto' must be an integer", param="upto")
-            snapshot = await from_run(runs.store, name, str(body["from_run"]), upto)
+        if body.get("from_run") is not None:
+            source, upto = _from_run(body)
+            snapshot = await from_run(runs.store, name, source, upto)
         else:
             model = _model(request, body)
             requests = _requests(request, body.get("requests"), model)

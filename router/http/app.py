@@ -92,7 +92,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[KEYS] = KeyStore(redis)
     ledger = Ledger(redis, _ledger_config(settings), structlog.get_logger("kvledger.ledger"))
     app[LEDGER] = ledger
-    await ledger.start()
+    try:
+        await ledger.start()
+    except BaseException:  # e.g. the spool is another instance's: close what was opened
+        await http.close()
+        await redis.aclose()
+        raise
     try:
         yield
     finally:
@@ -105,7 +110,18 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         backends = factory(settings, app[HTTP])
-        fleet = Fleet({r.id: ReplicaState(r, backends[r.id]) for r in settings.replicas})
+        limits = settings.limits
+        fleet = Fleet(
+            {
+                r.id: ReplicaState(
+                    r,
+                    backends[r.id],
+                    timeout_s=limits.backend_timeout_s,
+                    unhealthy_after=limits.unhealthy_after_timeouts,
+                )
+                for r in settings.replicas
+            }
+        )
         app[FLEET] = fleet
         app[METRICS] = Metrics(fleet, app[LEDGER].stats)
         policy = make_policy(settings.policy, **dict(settings.policy_options))
@@ -127,7 +143,13 @@ def _fleet_ctx(factory: BackendFactory) -> Callable[[web.Application], AsyncIter
         app[EVAL] = EvalDispatcher(fleet, app[LEDGER], runs, turns, settings.eval, app[METRICS])
         with contextlib.suppress(LedgerError):  # the monitor's ticks register them later
             await runs.register()
-        monitor = Monitor(fleet, app[LEDGER], settings.monitor_interval_s, hook=runs.tick)
+        monitor = Monitor(
+            fleet,
+            app[LEDGER],
+            settings.monitor_interval_s,
+            hook=runs.tick,
+            check_timeout_s=settings.health_timeout_s,
+        )
         await monitor.tick()  # know health and generations before the first request
         tasks = [
             asyncio.create_task(monitor.run(), name="kvl-monitor"),

@@ -1,4 +1,12 @@
-"""The app's typed state keys and the small steps every front handler shares."""
+"""The app's typed state keys and the small steps every front handler shares.
+
+Headers are the client's bytes like the body is: aiohttp decodes them as UTF-8 and keeps an
+undecodable byte as a lone surrogate, which would fail later (hashing a key, writing a record).
+So every header the proxy reads is checked here, once, and a bad one is a 4xx naming it: one
+value only (a second ``Authorization`` is refused, not ignored), keys printable ASCII, the
+episode label printable UTF-8 text. A body that cannot be read or decoded
+(``Content-Encoding``) is a 400 like a body that is not JSON.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ from router.eval.dispatch import EvalDispatcher
 from router.eval.runs import Runs
 from router.fleet import Fleet
 from router.flight import Flight, Parsed
-from router.http.parse import load_json
+from router.http.parse import check_prompt_length, load_json
 from router.ledger import Ledger, LedgerUnavailable
 from router.ledger.connect import RedisClient
 from router.ledger.keys import KeyStore
@@ -41,12 +49,28 @@ def new_request_id() -> str:
     return secrets.token_hex(12)
 
 
+def single_header(request: web.Request, name: str) -> str | None:
+    """The header's one value, or None; 400 when the client sent it more than once."""
+    values = request.headers.getall(name, ())
+    if len(values) > 1:
+        raise BadRequest(f"send the {name} header once, not {len(values)} times", param=name)
+    return values[0] if values else None
+
+
+def _key(value: str, header: str) -> str:
+    # Keys are printable ASCII (ours are URL-safe base64); anything else cannot be one.
+    if not (value.isascii() and value.isprintable()):
+        raise Unauthorized(f"invalid API key in {header}: keys are printable ASCII", param=header)
+    return value
+
+
 def bearer(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
+    """The client's key: ``Authorization: Bearer KEY``, else ``X-Api-Key``; None if neither."""
+    scheme, _, token = (single_header(request, "Authorization") or "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return request.headers.get("X-Api-Key") or None
+        return _key(token.strip(), "Authorization")
+    api_key = single_header(request, "X-Api-Key")
+    return _key(api_key, "X-Api-Key") if api_key else None
 
 
 async def authenticate(request: web.Request) -> Principal:
@@ -77,11 +101,33 @@ async def open_flight(request: web.Request, parsed: Parsed) -> Flight:
 
 def episode(request: web.Request) -> str | None:
     """The client's episode label for run diffs (``X-Kvl-Episode``), at most 128 characters."""
-    value = request.headers.get(EPISODE_HEADER, "").strip()
-    if len(value) > 128:
-        raise BadRequest(f"{EPISODE_HEADER} must be at most 128 characters")
+    value = (single_header(request, EPISODE_HEADER) or "").strip()
+    if len(value) > 128 or not value.isprintable():  # an undecodable byte is not printable
+        raise BadRequest(
+            f"{EPISODE_HEADER} must be printable UTF-8 text of at most 128 characters",
+            param=EPISODE_HEADER,
+        )
     return value or None
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    return load_json(await request.read())
+    """The body as a JSON object; 400 when it cannot be read, decoded or parsed."""
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as exc:
+        encoding = request.headers.get("Content-Encoding")
+        lines = str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__]
+        cause = lines[-1].strip()
+        if encoding:
+            raise BadRequest(
+                f"the request body could not be decoded as Content-Encoding {encoding!r}: {cause}",
+                param="Content-Encoding",
+            ) from exc
+        raise BadRequest(f"the request body could not be read: {cause}") from exc
+    return load_json(raw)
+
+
+def check_prompt(request: web.Request, parsed: Parsed, param: str) -> None:
+    """400 before any replica sees a prompt that is certainly too long for the model."""
+    replicas = [r for r in request.app[SETTINGS].replicas if r.model == parsed.model]
+    check_prompt_length(parsed.model, parsed.request.prompt, replicas, param)

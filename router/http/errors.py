@@ -27,8 +27,15 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _log = structlog.get_logger("kvledger.errors")
 
 
+def _text(value: str) -> str:
+    # Messages quote what the client sent (a path, a header): an undecodable byte there is a
+    # lone surrogate, which JSON cannot carry. Replace it rather than fail the error itself.
+    return value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
+
+
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+    param = None if param is None else _text(param)
+    return {"error": {"message": _text(message), "type": type_, "code": code, "param": param}}
 
 
 def error_response(error: KvlError) -> web.Response:

@@ -11,7 +11,14 @@ from aiohttp import web
 
 from router.errors import NotFound
 from router.flight import Parsed
-from router.http.context import SETTINGS, authenticate, episode, new_request_id, read_json
+from router.http.context import (
+    SETTINGS,
+    authenticate,
+    check_prompt,
+    episode,
+    new_request_id,
+    read_json,
+)
 from router.http.parse import parse_chat, parse_completion
 from router.http.respond import Reply, serve_json, serve_stream
 
@@ -97,6 +104,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         parse_chat(body, new_request_id(), settings.template, settings.limits.max_tokens),
         episode=episode(request),
     )
+    check_prompt(request, parsed, "messages")
     request["principal"] = principal
     return await _serve(request, parsed, chat=True)
 
@@ -109,6 +117,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         parse_completion(body, new_request_id(), settings.limits.max_tokens),
         episode=episode(request),
     )
+    check_prompt(request, parsed, "prompt")
     request["principal"] = principal
     return await _serve(request, parsed, chat=False)
 

@@ -7,15 +7,15 @@ and why, in OpenAI's error shape, and nothing a client sends can become a 500.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 
 from backends.base import GenerationRequest
-from router.errors import BadRequest
+from router.errors import BadRequest, PromptTooLong
 from router.flight import Parsed
-from router.settings import ChatTemplate
+from router.settings import ChatTemplate, ReplicaSettings
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -99,11 +99,14 @@ _OPENAI = {"max_tokens": "max_tokens", "stop": "stop"}
 _TRITON = {"max_tokens": "max_tokens", "stop": "stop_words"}
 
 
-def _content(message: Any, index: int) -> str:
+def _message(message: Any, index: int) -> tuple[str, str]:
+    """A chat message's role and text; every check comes before any field is used."""
     if not isinstance(message, dict):
-        raise BadRequest(f"'messages[{index}]' must be an object", param="messages")
+        raise BadRequest(
+            f"'messages[{index}]' must be an object with 'role' and 'content'", param="messages"
+        )
     role, content = message.get("role"), message.get("content")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise BadRequest(
             f"'messages[{index}].role' must be one of {list(_ROLES)}", param="messages"
         )
@@ -114,17 +117,45 @@ def _content(message: Any, index: int) -> str:
         content = "".join(str(p) for p in parts)
     if not isinstance(content, str):
         raise BadRequest(f"'messages[{index}].content' must be a string", param="messages")
-    return content
+    return role, content
 
 
 def render_chat(messages: Any, template: ChatTemplate) -> str:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
-    rendered = [
-        template.message.format(role=m["role"], content=_content(m, i))
-        for i, m in enumerate(messages)
-    ]
+    rendered = []
+    for i, m in enumerate(messages):
+        role, content = _message(m, i)
+        rendered.append(template.message.format(role=role, content=content))
     return "".join(rendered) + template.generation_prompt
+
+
+def check_prompt_length(
+    model: str, prompt: str, replicas: Sequence[ReplicaSettings], param: str
+) -> None:
+    """PromptTooLong when ``prompt`` certainly has more tokens than any replica of ``model`` takes.
+
+    The proxy cannot tokenize for the engine, so it refuses only what it is sure of: a replica
+    whose tokenizer maps at most ``max_token_bytes`` UTF-8 bytes to one token turns B bytes into
+    at least B / max_token_bytes tokens, so B > max_input_len * max_token_bytes is too long
+    whatever the text (the stand-in's tokenizer is byte-level: one token per byte). A replica
+    with either figure unknown (0) decides for itself, at admission.
+    """
+    if not replicas or any(r.max_input_len * r.max_token_bytes == 0 for r in replicas):
+        return
+    widest = max(replicas, key=lambda r: r.max_input_len * r.max_token_bytes)
+    limit = widest.max_input_len * widest.max_token_bytes
+    # Length in characters bounds the UTF-8 size from both sides: skip the encode when it can.
+    if len(prompt) * 4 <= limit:
+        return
+    size = len(prompt) if prompt.isascii() else len(prompt.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise PromptTooLong(
+            f"'{param}' is too long for model '{model}': {size} UTF-8 bytes are certainly more"
+            f" than its {widest.max_input_len} input tokens (at most {widest.max_token_bytes}"
+            " bytes per token); shorten it",
+            param=param,
+        )
 
 
 def _openai_max_tokens(body: dict[str, Any]) -> None:

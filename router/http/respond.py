@@ -14,7 +14,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from router.errors import KvlError, UpstreamFailed
+from router.errors import GatewayTimeout, KvlError
 from router.flight import Flight, Parsed
 from router.http.context import SETTINGS, open_flight
 from router.http.errors import error_body
@@ -43,6 +43,11 @@ class Reply(ABC):
         return b""
 
 
+def _too_long(request: web.Request) -> GatewayTimeout:
+    limit = request.app[SETTINGS].limits.request_timeout_s
+    return GatewayTimeout(f"the request took longer than request_timeout_s ({limit:g} s)")
+
+
 async def _end(flight: Flight, status: str) -> dict[str, Any]:
     # Shielded: a cancelled handler must still release the replica and write the record.
     return await asyncio.shield(flight.finish(status))
@@ -65,7 +70,7 @@ async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.
     except (KvlError, TimeoutError) as exc:
         await _end(flight, "error")
         if isinstance(exc, TimeoutError):
-            raise UpstreamFailed(f"replica {flight.replica.id} timed out") from exc
+            raise _too_long(request) from exc
         raise
     except Exception:
         await _end(flight, "error")  # whatever escaped, the flight ends and leaves its record
@@ -100,8 +105,11 @@ async def serve_stream(request: web.Request, parsed: Parsed, reply: Reply) -> we
         return response
     except (KvlError, TimeoutError) as exc:
         await _end(flight, "error")
-        error = exc if isinstance(exc, KvlError) else UpstreamFailed("replica timed out")
+        error = exc if isinstance(exc, KvlError) else _too_long(request)
+        # The status line went out with the first byte: the error is the last event, then the
+        # stream ends (a client must never wait on a stream that will send nothing more).
         await response.write(reply.error_event(error_body(error.message, error.type, error.code)))
+        await response.write_eof()
         return response
     except Exception:
         # A bug or a garbled replica: the flight still ends, and the client's stream ends with

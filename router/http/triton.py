@@ -10,7 +10,14 @@ from aiohttp import web
 
 from router.errors import NotFound
 from router.flight import Parsed
-from router.http.context import SETTINGS, authenticate, episode, new_request_id, read_json
+from router.http.context import (
+    SETTINGS,
+    authenticate,
+    check_prompt,
+    episode,
+    new_request_id,
+    read_json,
+)
 from router.http.parse import parse_generate
 from router.http.respond import Reply, serve_json, serve_stream
 
@@ -55,6 +62,7 @@ async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
         parse_generate(body, model, new_request_id(), stream, settings.limits.max_tokens),
         episode=episode(request),
     )
+    check_prompt(request, parsed, "text_input")
     request["principal"] = principal
     reply = TritonReply(parsed)
     if stream:

@@ -1,7 +1,9 @@
 """API keys: profiles in Redis under the sha256 of the key; raw keys are never stored or logged.
 
 A proxy instance keeps a short-lived local cache of lookups so the request path does not wait
-on Redis for every request, and so known keys keep working while Redis is away.
+on Redis for every request, and so known keys keep working while Redis is away. The cache is
+bounded (least recently used entries go first), and an unknown key is remembered only briefly:
+a client sending a million distinct made-up keys costs Redis lookups, never the proxy's memory.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -43,14 +46,27 @@ class Profile:
 
 
 def key_hash(raw_key: str) -> str:
-    return hashlib.sha256(raw_key.encode()).hexdigest()
+    # surrogateescape: a header's undecodable bytes hash as those bytes instead of raising.
+    return hashlib.sha256(raw_key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 class KeyStore:
-    def __init__(self, redis: aioredis.Redis, cache_ttl_s: float = 5.0) -> None:
+    """Keys in Redis, with two bounded local caches: known keys (``cache_ttl_s``, and served
+    stale while Redis is away) and unknown ones (``miss_ttl_s``), apart, so that a flood of
+    made-up keys cannot push out the keys of real clients."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        cache_ttl_s: float = 5.0,
+        *,
+        miss_ttl_s: float = 1.0,
+        cache_size: int = 4096,
+        miss_cache_size: int = 1024,
+    ) -> None:
         self._redis = redis
-        self._ttl = cache_ttl_s
-        self._cache: dict[str, tuple[Profile | None, float]] = {}
+        self._known = _Lru(cache_size, cache_ttl_s)
+        self._misses = _Lru(miss_cache_size, miss_ttl_s)
 
     async def create(self, profile: Profile) -> str:
         """Store the profile under a new key and return the key (shown once, never again)."""
@@ -71,28 +87,69 @@ class KeyStore:
         if doomed:
             await self._call(self._redis.hdel(KEYS_HASH, *doomed))
         await self._call(self._redis.hdel(KEY_NAMES, name))
-        self._cache.clear()
+        self._known.clear()
         return bool(doomed)
 
     async def lookup(self, raw_key: str) -> Profile | None:
         """The key's profile: local cache while fresh; a stale entry serves while Redis is away."""
         digest = key_hash(raw_key)
         now = time.monotonic()
-        cached = self._cache.get(digest)
-        if cached is not None and cached[1] > now:
-            return cached[0]
+        known = self._known.get(digest)
+        if known is not None and known[1] > now:
+            return known[0]
+        miss = self._misses.get(digest)
+        if known is None and miss is not None and miss[1] > now:
+            return None
         try:
             raw = await self._call(self._redis.hget(KEYS_HASH, digest))
         except LedgerUnavailable:
-            if cached is not None and cached[0] is not None:
-                return cached[0]
+            if known is not None:
+                return known[0]
             raise
-        profile = Profile.from_json(raw) if raw else None
-        self._cache[digest] = (profile, now + self._ttl)
+        if not raw:
+            self._known.drop(digest)
+            self._misses.put(digest, None, now)
+            return None
+        profile = Profile.from_json(raw)
+        self._known.put(digest, profile, now)
         return profile
+
+    @property
+    def cached(self) -> int:
+        """Entries in the local caches (at most ``cache_size + miss_cache_size``)."""
+        return len(self._known) + len(self._misses)
 
     async def _call(self, awaitable: Any) -> Any:
         try:
             return await awaitable
         except (RedisError, OSError) as exc:
             raise LedgerUnavailable(f"redis: {exc}") from exc
+
+
+class _Lru:
+    """A bounded map of key hash -> (profile, expiry); the least recently used goes first."""
+
+    def __init__(self, size: int, ttl_s: float) -> None:
+        self.size, self.ttl_s = size, ttl_s
+        self._entries: OrderedDict[str, tuple[Profile | None, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: str) -> tuple[Profile | None, float] | None:
+        entry = self._entries.get(digest)
+        if entry is not None:
+            self._entries.move_to_end(digest)
+        return entry
+
+    def put(self, digest: str, profile: Profile | None, now: float) -> None:
+        self._entries[digest] = (profile, now + self.ttl_s)
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def drop(self, digest: str) -> None:
+        self._entries.pop(digest, None)
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,172 @@
+"""The pure parts behind hostile-input handling: chat parsing, the prompt-length rule, the
+stream deadline and stall bookkeeping, the bounded key cache."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from backends.base import Chunk, ReplicaCounters
+from router.errors import BadRequest, GatewayTimeout, PromptTooLong
+from router.fleet import ReplicaState
+from router.http.parse import check_prompt_length, render_chat
+from router.ledger.keys import KeyStore, Profile, key_hash
+from router.ledger.schema import KEYS_HASH
+from router.settings import ChatTemplate, ReplicaSettings
+from tests.servers import RedisServer
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(messages=_json)
+def test_any_json_as_chat_messages_is_text_or_a_400(messages: Any) -> None:
+    """Whatever JSON arrives as 'messages', rendering gives text or a 400 on 'messages'."""
+    try:
+        assert isinstance(render_chat(messages, ChatTemplate()), str)
+    except BadRequest as error:
+        assert error.param == "messages"
+
+
+def replica(max_input_len: int, max_token_bytes: int) -> ReplicaSettings:
+    return ReplicaSettings(
+        "r", "g", "m", max_input_len=max_input_len, max_token_bytes=max_token_bytes
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "limits", "refused"),
+    [
+        ("a" * 100, [(100, 1)], False),
+        ("a" * 101, [(100, 1)], True),
+        ("é" * 50, [(100, 1)], False),  # 100 bytes
+        ("é" * 51, [(100, 1)], True),  # 102 bytes
+        ("a" * 399, [(100, 4)], False),
+        ("a" * 401, [(100, 4)], True),
+        ("a" * 10_000, [(100, 1), (100, 0)], False),  # one replica's limit unknown: it decides
+        ("a" * 10_000, [(0, 1)], False),
+        ("a" * 150, [(100, 1), (200, 1)], False),  # fits the widest replica of the model
+        ("a" * 10_000, [], False),
+    ],
+)
+def test_prompt_is_refused_only_when_certainly_too_long(
+    prompt: str, limits: list[tuple[int, int]], refused: bool
+) -> None:
+    """More UTF-8 bytes than max_input_len * max_token_bytes on every replica: refused."""
+    replicas = [replica(n, b) for n, b in limits]
+    if refused:
+        with pytest.raises(PromptTooLong) as caught:
+            check_prompt_length("m", prompt, replicas, "prompt")
+        assert caught.value.param == "prompt" and caught.value.code == "context_length_exceeded"
+    else:
+        check_prompt_length("m", prompt, replicas, "prompt")
+
+
+class _Backend:
+    replica_id = "r"
+
+
+def state(timeout_s: float = 0.05) -> ReplicaState:
+    return ReplicaState(replica(0, 0), _Backend(), healthy=True, timeout_s=timeout_s)
+
+
+async def _silent(closed: list[bool]) -> AsyncGenerator[Chunk, None]:
+    try:
+        yield Chunk("first")
+        await asyncio.Event().wait()  # never another chunk
+        yield Chunk("never")
+    finally:
+        closed.append(True)
+
+
+async def test_stream_without_progress_ends_in_504_and_is_closed() -> None:
+    """No chunk within the deadline: GatewayTimeout, and the backend stream is closed."""
+    closed: list[bool] = []
+    watched = state().watch(_silent(closed))
+    assert (await anext(watched)).text == "first"
+    with pytest.raises(GatewayTimeout):
+        await anext(watched)
+    assert closed == [True]
+
+
+async def test_closing_a_watched_stream_closes_the_backend_stream() -> None:
+    """A client gone: closing the watched stream closes (cancels) the backend's stream."""
+    closed: list[bool] = []
+    watched = state(timeout_s=30).watch(_silent(closed))
+    await anext(watched)
+    await watched.aclose()
+    assert closed == [True]
+
+
+async def test_a_cancel_from_elsewhere_is_not_a_timeout() -> None:
+    """A client gone while waiting for a chunk cancels the request; it is not a 504."""
+    closed: list[bool] = []
+    replica = state(timeout_s=30)
+    watched = replica.watch(_silent(closed))
+    await anext(watched)
+    waiting = asyncio.ensure_future(anext(watched))
+    await asyncio.sleep(0)  # let it start waiting
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert closed == [True] and replica.timeouts == 0
+
+
+def test_timeouts_in_a_row_stall_until_idle_or_cooled_off() -> None:
+    """Three timeouts in a row: unhealthy while busy; back when idle, or on probation later."""
+    r = state(timeout_s=1.0)
+    r.timed_out()
+    r.timed_out()
+    assert r.healthy and not r.stalled
+    r.timed_out()
+    assert not r.healthy and r.stalled and r.stalled_at is not None
+    busy, idle = ReplicaCounters(ready=True, active=2), ReplicaCounters(ready=True, active=0)
+    r.answered(busy, r.stalled_at + 1)
+    assert not r.healthy
+    r.answered(idle, r.stalled_at + 1)
+    assert r.healthy and not r.stalled and r.timeouts == 0
+    for _ in range(3):
+        r.timed_out()
+    assert r.stalled_at is not None
+    r.answered(busy, r.stalled_at + 10)  # cooled off, still busy: on probation
+    assert r.healthy and r.timeouts == 2
+    r.timed_out()
+    assert not r.healthy
+
+
+async def test_key_cache_is_bounded_and_misses_expire(redis_server: RedisServer) -> None:
+    """Known and unknown keys each stay within their cache size; a key created after a miss
+    works once the miss entry expires; made-up keys never push out known ones."""
+    from router.ledger.connect import connect
+
+    client = connect(redis_server.url)
+    try:
+        store = KeyStore(client, miss_ttl_s=0.0, cache_size=4, miss_cache_size=8)
+        raw = await store.create(Profile(name="real"))
+        assert (await store.lookup(raw)) is not None
+        for i in range(100):
+            assert await store.lookup(f"made-up-{i}") is None
+        assert store.cached <= 4 + 8
+        await client.hdel(KEYS_HASH, key_hash(raw))  # Redis no longer answers for it...
+        assert await store.lookup(raw) == Profile(name="real")  # ...the cached profile does
+        late = "kvl-created-late"
+        assert await store.lookup(late) is None
+        await client.hset(KEYS_HASH, key_hash(late), Profile(name="late").to_json())
+        assert await store.lookup(late) == Profile(name="late")
+    finally:
+        await client.aclose()
+
+
+def test_key_hash_takes_undecodable_bytes() -> None:
+    """A key holding an undecodable header byte hashes instead of raising."""
+    assert len(key_hash("bad\udcff")) == 64
