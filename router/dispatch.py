@@ -9,6 +9,7 @@ reached is skipped for the next candidate, but only while nothing has been strea
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -94,8 +95,18 @@ class Dispatcher:
         # The policy learns what went where (and when) before the next request is selected.
         self.policy.on_start(replica.id, features, time.monotonic())
         admission = Admission(replica.id, replica.generation, replica.engine_digest)
+        started = time.perf_counter()
         try:
             return await take_off(self, parsed, principal, replica, decision, admission)
+        except asyncio.CancelledError:
+            # The client left before the first chunk; the prefill may still have touched the
+            # cache, so the request is recorded (cancelled) and its chain step runs.
+            self.policy.on_finish(replica.id)
+            waited = time.perf_counter() - started
+            outcome = Outcome("cancelled", "", None, waited, waited)
+            parts = Flight.parts(parsed, principal, replica, decision, admission)
+            await asyncio.shield(self.ledger.commit(make_record(parts, outcome)))
+            raise
         except BaseException as exc:
             self.policy.on_finish(replica.id)
             if isinstance(exc, BackendUnavailable):

@@ -80,15 +80,29 @@ class Flight:
 
     def record_input(self) -> RecordInput:
         """The parts of this flight a lineage record is made of."""
+        return Flight.parts(
+            self.parsed, self.principal, self.replica, self.decision, self.admission
+        )
+
+    @staticmethod
+    def parts(
+        parsed: Parsed,
+        principal: Principal,
+        replica: ReplicaState,
+        decision: Decision,
+        admission: Admission,
+    ) -> RecordInput:
+        """What a record of ``parsed`` on ``replica`` is made of (also for a request that ended
+        before its flight took off)."""
         return RecordInput(
-            request=self.parsed.request,
-            model=self.parsed.model,
-            episode=self.parsed.episode,
-            principal=self.principal,
-            policy=self.decision.policy,
-            reason=self.decision.reason,
-            tokens_per_block=self.replica.settings.tokens_per_block,
-            admission=self.admission,
+            request=parsed.request,
+            model=parsed.model,
+            episode=parsed.episode,
+            principal=principal,
+            policy=decision.policy,
+            reason=decision.reason,
+            tokens_per_block=replica.settings.tokens_per_block,
+            admission=admission,
         )
 
     async def finish(self, status: str) -> dict[str, Any]:

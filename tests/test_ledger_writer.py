@@ -43,6 +43,7 @@ async def test_records_read_back_by_id_tail_and_run(client: aioredis.Redis, tmp_
         replica = "r1" if i % 3 else "r2"
         rec = record(i, run="run-1" if i % 2 else None, replica=replica, generation=gens[replica])
         done.append(await ledger.commit(rec))
+        await asyncio.sleep(0.002)  # the merge orders by Redis' clock, to the millisecond
     await until(written(ledger, 3))  # the run's index, behind; the rest went with each step
     assert await ledger.record("req-0003") == done[3]
     assert await ledger.record("missing") is None

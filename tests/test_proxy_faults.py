@@ -140,6 +140,29 @@ def test_client_gone_mid_stream_cancels_and_records(
     assert first == second
 
 
+def test_client_gone_before_the_first_token_is_still_recorded(
+    own_stack: tuple[Proxy, str, LedgerView, RedisServer],
+) -> None:
+    """A client that leaves during a long prefill, before any token: its request may have
+    filled cache blocks, so it leaves a record (cancelled) and its replica's chain moves."""
+    proxy, key, ledger, _ = own_stack
+    prompt = "A long cold document to read before answering. " * 80 + uuid.uuid4().hex
+    body = orjson.dumps({"model": "ensemble", "prompt": prompt, "max_tokens": 4, "stream": True})
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=30)
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    time.sleep(0.3)  # the proxy has sent it on; the prefill of ~4,000 bytes takes longer
+    sock.close()
+    deadline = time.monotonic() + 30
+    while not (found := ledger.tail(10, key="faults")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [r["status"] for r in found] == ["cancelled"], found
+    assert found[0]["state_after"] and found[0]["output_digest"]
+
+
 def test_replica_down_moves_production_requests(redis_server: RedisServer) -> None:
     """A replica killed behind the proxy: production requests still succeed, on the other one."""
     with launch([ReplicaSpec("down-a"), ReplicaSpec("down-b")]) as (a, b):

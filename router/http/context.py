@@ -40,6 +40,7 @@ METRICS = web.AppKey("metrics", Metrics)
 DISPATCH = web.AppKey("dispatch", Dispatcher)
 EVAL = web.AppKey("eval", EvalDispatcher)
 RUNS = web.AppKey("runs", Runs)
+PRINCIPAL = web.RequestKey("principal", Principal)
 EPISODE_HEADER = "X-Kvl-Episode"
 
 ANONYMOUS = Principal(name="anonymous")
@@ -93,7 +94,7 @@ async def authenticate(request: web.Request) -> Principal:
 
 async def open_flight(request: web.Request, parsed: Parsed) -> Flight:
     """Admit the request: an eval key's to its run, any other through production routing."""
-    principal: Principal = request["principal"]
+    principal = request[PRINCIPAL]
     if principal.mode == "eval":
         return await request.app[EVAL].open(parsed, principal)
     return await request.app[DISPATCH].open(parsed, principal)

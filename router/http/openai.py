@@ -12,6 +12,7 @@ from aiohttp import web
 from router.errors import NotFound
 from router.flight import Parsed
 from router.http.context import (
+    PRINCIPAL,
     SETTINGS,
     authenticate,
     check_prompt,
@@ -105,7 +106,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         episode=episode(request),
     )
     check_prompt(request, parsed, "messages")
-    request["principal"] = principal
+    request[PRINCIPAL] = principal
     return await _serve(request, parsed, chat=True)
 
 
@@ -118,7 +119,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         episode=episode(request),
     )
     check_prompt(request, parsed, "prompt")
-    request["principal"] = principal
+    request[PRINCIPAL] = principal
     return await _serve(request, parsed, chat=False)
 
 

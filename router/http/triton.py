@@ -11,6 +11,7 @@ from aiohttp import web
 from router.errors import NotFound
 from router.flight import Parsed
 from router.http.context import (
+    PRINCIPAL,
     SETTINGS,
     authenticate,
     check_prompt,
@@ -63,7 +64,7 @@ async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
         episode=episode(request),
     )
     check_prompt(request, parsed, "text_input")
-    request["principal"] = principal
+    request[PRINCIPAL] = principal
     reply = TritonReply(parsed)
     if stream:
         return await serve_stream(request, parsed, reply)
