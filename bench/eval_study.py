@@ -6,20 +6,23 @@ without), a private Redis and one proxy (`min_production_replicas = 1`), and pla
 SDK for each arm:
 
 - `off`: an eval key with `cache="off"` (served by p3, runs begun and ended explicitly);
-- `production`: a production key, no runs: prefix-affinity routing, caching on, no control; p1
-  and p2 get a verified reset before the first pass, later passes meet the warm caches;
+- `shared`: an eval key with `cache="shared"` pinned to p1: caching on, no control, every
+  request recorded with its input (so a divergence can be replayed); p1 gets a verified reset
+  before the first run, later runs meet the warm cache;
 - `reset`: an eval key with `cache="reset"` (every run begins on a verified reset);
 - `replay`: an eval key with `cache="replay:warm-<precision>"`, the snapshot saved from the
   first `reset` run's first `--snapshot-upto` requests.
 
-Each later run is compared with the arm's first run (router/run_diff.py): divergent episodes,
-block reuse, wall time per run, and how many divergences cache state explains. At the first
-precision it also times, on p1, the verified reset (admin API) against a raw unload + load of
-the same replica.
+Each later run is compared with the arm's first run (router/eval/diff.py): divergent episodes,
+block reuse, wall time per run, each first divergence's cause by the falsifiable rule (reuse
+differed, state differed with equal reuse, unexplained, unknown state), and, for a sample of
+`--explain` divergences per rerun, a proof by replay (`POST /admin/runs/explain`): proven means
+each run's output reproduces under its own cache state. (The verified reset's cost is measured
+by bench/reset_timing.py.)
 It writes `eval-study.md` and `eval-study.png` under `--out` and prints the Markdown.
 
     .venv/bin/python -m bench.eval_study [--episodes 80] [--runs 3] [--precisions bf16,int4]
-        [--snapshot-upto 40] [--reset-rounds 3] [--out docs/results]
+        [--snapshot-upto 40] [--explain 3] [--out docs/results]
 
 The default configuration takes about 37 minutes on 2 shared CPU cores, half of it in the
 cache-off arm (every turn recomputes its whole prefix); progress goes to stderr.
@@ -38,14 +41,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, get_args
 
-from backends.sim.launcher import Replica, ReplicaSpec, config_snippet, launch, wait_ready
+import orjson
+import urllib3
+
+from backends.sim.launcher import Replica, ReplicaSpec, config_snippet, launch
 from backends.sim.repository import ModelSettings, Precision
-from bench.eval_study_report import ArmResult, ResetTiming, chart, markdown
+from bench.eval_study_report import ArmResult, chart, markdown
 from bench.workload import Episode, make_episodes
 from router.cli.local import ProxyProcess, RedisServer
 from router.eval.diff import diff_runs
 from tests.eval_helpers import Played, admin, begin, client, end, play
-from tests.triton_helpers import reset as raw_reset
+
+HTTP = urllib3.PoolManager()
 
 EVAL_SETTINGS = "\n[eval]\nmin_production_replicas = 1\n"
 STARTED = time.perf_counter()
@@ -119,23 +126,42 @@ def eval_passes(s: Stack, arm: str, cache: str, episodes: list[Episode], runs: i
     return passes
 
 
-def production_passes(s: Stack, episodes: list[Episode], runs: int) -> list[Pass]:
-    """The workload `runs` times on a production key, from cold p1 and p2 (nothing is leased)."""
-    for replica in ("p1", "p2"):
-        took = verified_reset(s.proxy, replica)["duration_ms"]
-        progress(f"{s.precision} production: verified reset of {replica}, {took} ms")
-    sdk = client(s.proxy, s.proxy.create_key(f"production-{s.precision}"))
+def shared_passes(s: Stack, episodes: list[Episode], runs: int) -> list[Pass]:
+    """The workload `runs` times on a shared arm pinned to p1, from a freshly reset p1."""
+    took = verified_reset(s.proxy, "p1")["duration_ms"]
+    progress(f"{s.precision} shared: verified reset of p1, {took} ms")
+    arm = f"shared-{s.precision}"
+    sdk = client(s.proxy, s.proxy.create_key(arm, mode="eval", cache="shared", replica="p1"))
     passes = []
     for k in range(1, runs + 1):
         started = time.perf_counter()
+        run = begin(s.proxy, arm)
         played = play(sdk, episodes)
-        passes.append(Pass(played, time.perf_counter() - started))
-        served = sorted({str(r["replica"]) for r in played.records})
-        progress(
-            f"{s.precision} production: pass {k} of {runs} (on {', '.join(served)}),"
-            f" {passes[-1].seconds:.1f} s"
-        )
+        end(s.proxy, run["id"])
+        passes.append(Pass(played, time.perf_counter() - started, run["id"]))
+        progress(f"{s.precision} shared: run {k} of {runs}, {passes[-1].seconds:.1f} s")
     return passes
+
+
+def explain(s: Stack, run_a: str, run_b: str, limit: int) -> tuple[int, int]:
+    """Proven and tried divergences of the pair, replayed through the proxy (a sample)."""
+    response = HTTP.request(
+        "POST",
+        s.proxy.url + "/admin/runs/explain",
+        body=orjson.dumps({"run_a": run_a, "run_b": run_b, "limit": limit}),
+        headers={"Authorization": f"Bearer {s.proxy.admin_token}"},
+        timeout=urllib3.Timeout(total=7200),
+        preload_content=False,
+    )
+    for line in response:
+        event = orjson.loads(line)
+        if event["event"] == "result":
+            report = event["report"]
+            progress(f"{s.precision} explain {run_a} {run_b}: {report['proven']}/{report['tried']}")
+            return int(report["proven"]), int(report["tried"])
+        if event["event"] == "error":
+            raise RuntimeError(f"explain {run_a} {run_b}: {event['error']['message']}")
+    raise RuntimeError(f"explain {run_a} {run_b}: no result")
 
 
 def save_snapshot(s: Stack, name: str, run: str, upto: int) -> None:
@@ -147,15 +173,21 @@ def save_snapshot(s: Stack, name: str, run: str, upto: int) -> None:
     progress(f"{s.precision}: saved snapshot {name} from {run}, first {upto} requests")
 
 
-def summarize(precision: str, arm: str, episodes: int, passes: list[Pass]) -> ArmResult:
-    """Every later pass against the first one; reuse over all passes' records."""
-    result = ArmResult(precision, arm, episodes, reruns=len(passes) - 1)
+def summarize(s: Stack, arm: str, episodes: int, passes: list[Pass], sample: int) -> ArmResult:
+    """Every later pass against the first one (causes, and a sample proved by replay); reuse
+    over all passes' records."""
+    result = ArmResult(s.precision, arm, episodes, reruns=len(passes) - 1)
     baseline = passes[0].played.records
     for k, other in enumerate(passes[1:], 2):
         diff = diff_runs(f"{arm}#1", baseline, f"{arm}#{k}", other.played.records)
         result.diverged += diff.diverged
-        result.explained += diff.explained
-        result.unexplained += diff.unexplained
+        for cause in result.causes:
+            result.causes[cause] += diff.caused(cause)
+        classified = diff.caused("reuse") + diff.caused("state") + diff.caused("unexplained")
+        if sample and classified and passes[0].run and other.run:
+            proven, tried = explain(s, str(passes[0].run), str(other.run), sample)
+            result.proven += proven
+            result.tried += tried
     for p in passes:
         result.reused_blocks += sum(int(r.get("reused_blocks") or 0) for r in p.played.records)
         result.total_blocks += sum(int(r.get("total_blocks") or 0) for r in p.played.records)
@@ -163,43 +195,20 @@ def summarize(precision: str, arm: str, episodes: int, passes: list[Pass]) -> Ar
     return result
 
 
-def study(
-    s: Stack, episodes: list[Episode], args: argparse.Namespace, reset_rounds: int
-) -> tuple[list[ArmResult], ResetTiming | None]:
-    """The four arms in order (off, production, reset, replay), then the reset timing if asked."""
-    n, runs, p = len(episodes), args.runs, s.precision
-    results = [summarize(p, "off", n, eval_passes(s, f"off-{p}", "off", episodes, runs))]
-    results.append(summarize(p, "production", n, production_passes(s, episodes, runs)))
+def study(s: Stack, episodes: list[Episode], args: argparse.Namespace) -> list[ArmResult]:
+    """The four arms in order (off, shared, reset, replay)."""
+    n, runs, p, k = len(episodes), args.runs, s.precision, args.explain
+    results = [summarize(s, "off", n, eval_passes(s, f"off-{p}", "off", episodes, runs), k)]
+    results.append(summarize(s, "shared", n, shared_passes(s, episodes, runs), k))
     reset_passes = eval_passes(s, f"reset-{p}", "reset", episodes, runs)
-    results.append(summarize(p, "reset", n, reset_passes))
+    results.append(summarize(s, "reset", n, reset_passes, k))
     snapshot = f"warm-{p}"
     save_snapshot(s, snapshot, str(reset_passes[0].run), args.snapshot_upto)
     replay = eval_passes(s, f"replay-{p}", f"replay:{snapshot}", episodes, runs)
-    results.append(summarize(p, "replay", n, replay))
+    results.append(summarize(s, "replay", n, replay, k))
     for r in results:
-        progress(f"{p} {r.arm}: {r.diverged}/{r.compared} diverged, {r.explained} explained")
-    timing = time_resets(s, reset_rounds) if reset_rounds > 0 else None
-    return results, timing
-
-
-def time_resets(s: Stack, rounds: int) -> ResetTiming:
-    """Alternate the verified reset of p1 and a raw unload + load of it, `rounds` times each."""
-    replica = s.replicas["p1"]
-    timing = ResetTiming(replica.id)
-    for k in range(1, rounds + 1):
-        started = time.perf_counter()
-        verified_reset(s.proxy, replica.id)
-        timing.verified_s.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        raw_reset(replica)
-        wait_ready([replica])
-        timing.raw_s.append(time.perf_counter() - started)
-        progress(
-            f"{s.precision} reset timing round {k} of {rounds}: verified"
-            f" {timing.verified_s[-1]:.2f} s, raw {timing.raw_s[-1]:.2f} s"
-        )
-        time.sleep(1.5)  # let the proxy's monitor see the replica ready again
-    return timing
+        progress(f"{p} {r.arm}: {r.diverged}/{r.compared} diverged, {r.proven}/{r.tried} proven")
+    return results
 
 
 def parse_args() -> argparse.Namespace:
@@ -208,7 +217,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="runs per arm (the first is baseline)")
     parser.add_argument("--precisions", default="bf16,int4", help="comma-separated")
     parser.add_argument("--snapshot-upto", type=int, default=40)
-    parser.add_argument("--reset-rounds", type=int, default=3)
+    parser.add_argument(
+        "--explain", type=int, default=3, help="divergences per rerun proved by replay (0: none)"
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args()
     if args.runs < 2:
@@ -224,16 +235,12 @@ def main() -> None:
     args = parse_args()
     episodes = make_episodes(args.episodes)
     results: list[ArmResult] = []
-    timing: ResetTiming | None = None
     for precision in args.precisions:
         with stack(precision) as s:
-            rounds = args.reset_rounds if timing is None else 0  # timed at one precision
-            arms, measured = study(s, episodes, args, rounds)
-        results += arms
-        timing = timing or measured
+            results += study(s, episodes, args)
     command = shlex.join([".venv/bin/python", "-m", "bench.eval_study", *sys.argv[1:]])
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    report = markdown(results, timing, command, when)
+    report = markdown(results, command, when)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eval-study.md").write_text(report)
     chart(results, args.out / "eval-study.png")

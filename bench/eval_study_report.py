@@ -13,10 +13,11 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-ARMS = ("off", "production", "reset", "replay")
+ARMS = ("off", "shared", "reset", "replay")
+CAUSES = ("reuse", "state", "unexplained", "unknown")
 ARM_LABELS = {
     "off": "cache off",
-    "production": "caching on, no control (production key)",
+    "shared": "caching on, no control (`shared` key)",
     "reset": "`reset` key",
     "replay": "`replay:` key",
 }
@@ -32,8 +33,9 @@ class ArmResult:
     episodes: int
     reruns: int
     diverged: int = 0
-    explained: int = 0
-    unexplained: int = 0
+    causes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
+    proven: int = 0  # divergences proved caused by cache state, by replay
+    tried: int = 0  # divergences replayed
     reused_blocks: int = 0
     total_blocks: int = 0
     wall_s: list[float] = field(default_factory=list)
@@ -48,7 +50,9 @@ class ArmResult:
 
     def row(self) -> str:
         reuse = 100 * self.reused_blocks / self.total_blocks if self.total_blocks else 0.0
-        attributed = f"{100 * self.explained / self.diverged:.0f}%" if self.diverged else "–"
+        c = self.causes
+        causes = " / ".join(str(c[k]) for k in CAUSES) if self.diverged else "–"
+        proofs = f"{self.proven} / {self.tried}" if self.tried else "–"
         wall = statistics.fmean(self.wall_s) if self.wall_s else 0.0
         cells = [
             PRECISION_LABELS.get(self.precision, self.precision),
@@ -57,46 +61,13 @@ class ArmResult:
             f"{self.divergence_pct:.1f}%",
             f"{reuse:.1f}%",
             f"{wall:.1f} s",
-            attributed,
-            str(self.unexplained),
+            causes,
+            proofs,
         ]
         return "| " + " | ".join(cells) + " |"
 
 
-@dataclass
-class ResetTiming:
-    """Seconds of each verified reset (admin API) and each raw unload + load of one replica."""
-
-    replica: str
-    verified_s: list[float] = field(default_factory=list)
-    raw_s: list[float] = field(default_factory=list)
-
-    def lines(self) -> list[str]:
-        verified, raw = statistics.median(self.verified_s), statistics.median(self.raw_s)
-        return [
-            f"Reset of replica {self.replica} ({_rounds(len(self.raw_s))} of each, alternating):",
-            "",
-            "| reset | median | rounds (s) |",
-            "|---|---|---|",
-            f"| verified (`POST /admin/replicas/{self.replica}/reset`) | {verified:.2f} s"
-            f" | {_seconds(self.verified_s)} |",
-            f"| raw unload + load, until ready | {raw:.2f} s | {_seconds(self.raw_s)} |",
-            "",
-            f"Verified / raw: {verified / raw:.2f}×",
-        ]
-
-
-def _rounds(n: int) -> str:
-    return f"{n} round" if n == 1 else f"{n} rounds"
-
-
-def _seconds(values: Sequence[float]) -> str:
-    return ", ".join(f"{v:.2f}" for v in values)
-
-
-def markdown(
-    results: Sequence[ArmResult], timing: ResetTiming | None, command: str, when: str
-) -> str:
+def markdown(results: Sequence[ArmResult], command: str, when: str) -> str:
     first = results[0]
     lines = [
         "# Eval study: divergence between reruns, through the proxy",
@@ -108,17 +79,18 @@ def markdown(
         "Machine: 2 shared CPU cores; stand-in replicas (backends/sim), timings side by side.",
         "",
         "Wall time is per run, including the run's begin (verified reset, snapshot replay).",
-        "Attributed to cache state: diverged episodes whose first differing request was",
-        "admitted on a different cache state (`router/run_diff.py`); unexplained: same prompt,",
-        "same cache state, different output.",
+        "Causes (`kvledger runs diff`, router/eval/diff.py), of each diverged episode's first",
+        "differing request: the engine reused a different number of blocks / equal reuse but",
+        "different cache states / same input, state and reuse (unexplained) / a state the ledger",
+        "cannot know. Proven (`kvledger runs explain`, router/eval/explain.py): of a sample of",
+        "divergences per rerun, those whose two outputs each reproduced, replayed on a reset",
+        "replica under their own run's cache state.",
         "",
         "| weights | arm | divergent episodes | % | block reuse | wall time per run"
-        " | attributed to cache state | unexplained |",
+        " | causes: reuse / state / unexplained / unknown | proven caused by cache state |",
         "|---|---|---|---|---|---|---|---|",
         *(r.row() for r in results),
     ]
-    if timing is not None:
-        lines += ["", *timing.lines()]
     return "\n".join(lines) + "\n"
 
 
