@@ -48,7 +48,7 @@ from backends.sim.launcher import Replica, ReplicaSpec, config_snippet, launch
 from backends.sim.repository import ModelSettings, Precision
 from bench.eval_study_report import ArmResult, chart, markdown
 from bench.workload import Episode, make_episodes
-from router.cli.local import ProxyProcess, RedisServer
+from router.cli.local import ProxyProcess, RedisServer, create_key
 from router.eval.diff import diff_runs
 from tests.eval_helpers import Played, admin, begin, client, end, play
 
@@ -111,7 +111,7 @@ def verified_reset(proxy: ProxyProcess, replica: str) -> dict[str, Any]:
 
 def eval_passes(s: Stack, arm: str, cache: str, episodes: list[Episode], runs: int) -> list[Pass]:
     """`runs` runs of an eval arm, each begun and ended through the admin API."""
-    sdk = client(s.proxy, s.proxy.create_key(arm, mode="eval", cache=cache))
+    sdk = client(s.proxy, create_key(s.proxy.redis_url, arm, mode="eval", cache=cache))
     passes = []
     for k in range(1, runs + 1):
         started = time.perf_counter()
@@ -131,7 +131,9 @@ def shared_passes(s: Stack, episodes: list[Episode], runs: int) -> list[Pass]:
     took = verified_reset(s.proxy, "p1")["duration_ms"]
     progress(f"{s.precision} shared: verified reset of p1, {took} ms")
     arm = f"shared-{s.precision}"
-    sdk = client(s.proxy, s.proxy.create_key(arm, mode="eval", cache="shared", replica="p1"))
+    sdk = client(
+        s.proxy, create_key(s.proxy.redis_url, arm, mode="eval", cache="shared", replica="p1")
+    )
     passes = []
     for k in range(1, runs + 1):
         started = time.perf_counter()
