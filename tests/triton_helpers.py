@@ -14,7 +14,7 @@ import tritonclient.http as httpclient
 import urllib3
 
 from backends.sim.launcher import Replica
-from backends.sim.repository import MODEL_NAME
+from backends.sim.repository import ENGINE_MODEL, MODEL_NAME
 
 _HTTP = urllib3.PoolManager()
 
@@ -104,7 +104,7 @@ def reset(replica: Replica) -> None:
         # Not ready is not enough: a load issued while the old instance is UNLOADING may keep it.
         while time.monotonic() < deadline:
             states = {m["name"]: m.get("state") for m in client.get_model_repository_index()}
-            if states.get(MODEL_NAME) not in ("READY", "UNLOADING"):
+            if all(states.get(m) not in ("READY", "UNLOADING") for m in (MODEL_NAME, ENGINE_MODEL)):
                 break
             time.sleep(0.05)
         client.load_model(MODEL_NAME)
@@ -112,16 +112,20 @@ def reset(replica: Replica) -> None:
         client.close()
 
 
-def request_count(replica: Replica) -> int:
-    """Requests the model completed since it was loaded, from Triton's statistics API.
+def request_count(replica: Replica, model: str = ENGINE_MODEL) -> int:
+    """Requests the engine model took since it was loaded, from Triton's statistics API.
 
     (The Prometheus counter ``nv_inference_request_success`` is not reliable for this: after a
     reload it can carry the old instance's count while that instance is still referenced.)
     """
     client = httpclient.InferenceServerClient(replica.http_url.removeprefix("http://"))
     try:
-        stats = client.get_inference_statistics(MODEL_NAME)["model_stats"]
-        return sum(int(m["inference_stats"]["success"]["count"]) for m in stats)
+        stats = client.get_inference_statistics(model)["model_stats"]
+        return sum(
+            int(m["inference_stats"]["success"].get("count", 0))
+            + int(m["inference_stats"]["fail"].get("count", 0))
+            for m in stats
+        )
     finally:
         client.close()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,10 +25,15 @@ import numpy as np
 from backends.sim.kvcache import CapacityError, PagedKVCache, Session
 from backends.sim.numerics import F64, keep_freed_memory
 from backends.sim.tokenizer import EOS_ID, VOCAB_SIZE, Sampler, encode, piece
-from backends.sim.transformer import Transformer
+from backends.sim.transformer import Check, Transformer
 
 FinishReason = Literal["stop", "length", "cancelled"]
 _PREALLOCATE_MAX = 4096  # output tokens whose K/V buffer is allocated up front
+_CHECK_EVERY_S = 0.05  # how often a long prefill asks whether its request was cancelled
+
+
+class _Abandoned(Exception):
+    """A cancelled request's forward pass stops here (raised by ``_Run._check``)."""
 
 
 class EngineError(Exception):
@@ -132,7 +137,8 @@ def _validate_params(p: SamplingParams) -> None:
 class Engine:
     """Serial generation against one paged KV cache."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, weights: Mapping[str, F64] | None = None) -> None:
+        """``weights`` come from an engine file; without them they are made from the seed."""
         _validate_config(config)
         keep_freed_memory()
         self.config = config
@@ -144,6 +150,7 @@ class Engine:
             fmt=config.float_format,
             weight_bits=config.weight_bits,
             seed=config.weight_seed,
+            weights=weights,
         )
         self._cache = PagedKVCache(
             capacity_blocks=config.capacity_blocks,
@@ -176,19 +183,22 @@ class Engine:
 
     def generate(
         self,
-        prompt: str,
+        prompt: str | list[int],
         params: SamplingParams,
         *,
         on_token: Callable[[int, str], None] | None = None,
         is_cancelled: Callable[[], bool] | None = None,
         arrival_time_ns: int | None = None,
     ) -> GenerationResult:
-        """Generate a completion; `on_token(id, text)` streams each emitted token."""
+        """Generate a completion of a text or of token ids; `on_token(id, text)` streams each
+        emitted token. `is_cancelled` is asked between prefill chunks and between tokens."""
         arrival = time.time_ns() if arrival_time_ns is None else arrival_time_ns
         _validate_params(params)
-        tokens = encode(prompt)
+        tokens = encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise EngineError("prompt must not be empty")
+        if min(tokens) < 0 or max(tokens) >= VOCAB_SIZE:
+            raise EngineError(f"input ids must be token ids in [0, {VOCAB_SIZE})")
         with self._lock:
             scheduled = time.time_ns()
             expected = len(tokens) + min(params.max_tokens, _PREALLOCATE_MAX)
@@ -219,7 +229,9 @@ class Engine:
             finish_reason=run.finish_reason,
         )
 
-    def _forward(self, session: Session, start: int, end: int, decode: bool) -> F64:
+    def _forward(
+        self, session: Session, start: int, end: int, decode: bool, check: Check | None = None
+    ) -> F64:
         session.reserve(end)
         chunk = np.asarray(session.tokens[start:end], dtype=np.int64)
         logits = self.model.forward(
@@ -229,6 +241,7 @@ class Engine:
             session.v,
             decode=decode,
             tokens_per_block=self.config.tokens_per_block,
+            check=check,
         )
         session.computed = end
         self._iterations += 1
@@ -254,12 +267,16 @@ class _Run:
         self.first_token_ns = 0
         self.last_token_ns = 0
         self.finish_reason: FinishReason = "length"
+        self._checked = time.monotonic()
 
     def execute(self) -> None:
         if self.is_cancelled():
             self.finish_reason = "cancelled"
             return
         logits = self._prefill()
+        if logits is None:
+            self.finish_reason = "cancelled"
+            return
         if self.params.max_tokens == 0:
             return
         p = self.params
@@ -282,16 +299,32 @@ class _Run:
             pos = self.session.computed
             logits = self.engine._forward(self.session, pos, pos + 1, decode=True)
 
-    def _prefill(self) -> F64:
-        """Chunks of prefill_chunk tokens counted from the cache boundary."""
+    def _prefill(self) -> F64 | None:
+        """Chunks of prefill_chunk tokens counted from the cache boundary; None when the
+        request was cancelled between two chunks (as an engine stops between iterations)."""
         session, chunk = self.session, self.engine.config.prefill_chunk
-        start, n = session.computed, len(session.tokens)
+        begin = start = session.computed
+        n = len(session.tokens)
         logits: F64 = np.zeros(0)
-        while start < n:
-            end = min(start + chunk, n)
-            logits = self.engine._forward(session, start, end, decode=False)
-            start = end
+        try:
+            while start < n:
+                if start > begin and self.is_cancelled():
+                    return None
+                end = min(start + chunk, n)
+                logits = self.engine._forward(session, start, end, False, self._check)
+                start = end
+        except _Abandoned:
+            return None
         return logits
+
+    def _check(self) -> None:
+        # Asked between passes over the cached pages: a chunk over a long prefix takes seconds
+        # on a CPU, so a cancelled prefill stops within one pass, not one chunk.
+        now = time.monotonic()
+        if now - self._checked >= _CHECK_EVERY_S:
+            self._checked = now
+            if self.is_cancelled():
+                raise _Abandoned
 
     def _emit(self, token: int) -> None:
         text = piece(token)
