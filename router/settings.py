@@ -34,6 +34,8 @@ class ReplicaSettings:
     seed_input: str = "seed"
     perf_input: str = "return_perf_metrics"
     token_counts: bool = True
+    engine_model: str = "tensorrt_llm"  # the model every path to the KV cache goes through
+    engine_dir: str = ""  # its engine directory as the proxy reads it ("" = gpt_model_path)
 
 
 @dataclass(frozen=True)
