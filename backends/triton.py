@@ -1,9 +1,9 @@
 """Triton Inference Server with TensorRT-LLM's ``ensemble`` interface, over gRPC (asyncio).
 
-Every generation goes through ``ModelStreamInfer`` (``stream_infer``): it serves decoupled and
-non-decoupled models alike. One gRPC channel per replica carries all requests (HTTP/2 streams),
-so no request pays a connection set-up. Model control (unload, load) and statistics also go over
-gRPC; the metrics page over HTTP.
+Every generation goes through ``ModelStreamInfer`` (:mod:`backends.triton_grpc`): it serves
+decoupled and non-decoupled models alike. One gRPC channel per replica carries all generations
+(HTTP/2 streams), so no request pays a connection set-up. Model control (unload, load) and
+statistics go over tritonclient's gRPC client; the metrics page over HTTP.
 
 What a replica is made of (TensorRT-LLM's ``inflight_batcher_llm`` repository): the served model
 (``ensemble``) and the *engine model* (``tensorrt_llm``) that every path to the KV cache goes
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,7 +30,6 @@ import aiohttp
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
-from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from backends.base import (
@@ -44,6 +43,8 @@ from backends.base import (
     ReplicaCounters,
 )
 from backends.triton_control import TritonControl
+from backends.triton_grpc import Input, StreamCall, StreamChannel, infer_request
+from backends.triton_grpc import tensor as _tensor
 
 _STATS = {
     "kv_cache_reused_blocks": "reused_blocks",
@@ -73,17 +74,10 @@ class TritonTarget:
     engine_dir: str = ""  # its engine directory as this process reads it ("" = gpt_model_path)
 
 
-def _tensor(name: str, value: Any, dtype: Any, triton_type: str) -> InferInput:
-    array = np.array([value], dtype=dtype).reshape(1, -1)
-    tensor = InferInput(name, list(array.shape), triton_type)
-    tensor.set_data_from_numpy(array)
-    return tensor
-
-
-def constant_inputs(target: TritonTarget) -> tuple[InferInput, ...]:
+def constant_inputs(target: TritonTarget) -> tuple[Input, ...]:
     """Inputs every request carries: never echo the prompt, always return the statistics.
 
-    Built once per replica: an InferInput is only read when a request is serialised.
+    Built once per replica: an Input is only read when a request is serialised.
     """
     names = ["exclude_input_in_output", target.perf_input]
     if target.token_counts:
@@ -92,8 +86,8 @@ def constant_inputs(target: TritonTarget) -> tuple[InferInput, ...]:
 
 
 def build_inputs(
-    target: TritonTarget, request: GenerationRequest, constant: tuple[InferInput, ...]
-) -> list[InferInput]:
+    target: TritonTarget, request: GenerationRequest, constant: tuple[Input, ...]
+) -> list[Input]:
     """The ensemble's inputs for one request."""
     inputs = [
         _tensor("text_input", request.prompt.encode(), np.object_, "BYTES"),
@@ -149,30 +143,28 @@ class TritonBackend:
     def __init__(self, target: TritonTarget, http: aiohttp.ClientSession) -> None:
         self.target = target
         self.replica_id = target.replica_id
-        self._client = grpcaio.InferenceServerClient(target.grpc)
+        self._client = grpcaio.InferenceServerClient(target.grpc)  # model control, statistics
+        self._streams = StreamChannel(target.grpc)  # generations
         self._constant = constant_inputs(target)
         self.control = TritonControl(target, self._client, http)
         self._stops: set[asyncio.Task[None]] = set()
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
-        call = self._open(
-            self.target.model,
-            build_inputs(self.target, request, self._constant),
-            request.request_id,
-        )
+        inputs = build_inputs(self.target, request, self._constant)
+        done = asyncio.Event()
+        call = self._open(self.target.model, inputs, request.request_id, done)
         produced = finished = failed = False
         stats: EngineStats | None = None
         try:
-            async for result, error in call:
-                if error is not None:
-                    failed = True
-                    raise self._translate(error, produced)
+            async for result in call:
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
                 outputs = result_outputs(result) if response.outputs else {}
                 text, stats = text_of(outputs), parse_stats(outputs, stats)
                 produced = produced or bool(text)
                 finished = final
+                if final:
+                    done.set()  # our side of the stream may close now (see _open)
                 yield Chunk(text, final, stats if final else None)
                 if final:
                     return
@@ -185,27 +177,21 @@ class TritonBackend:
             failed = True
             raise self._translate_rpc(exc, produced) from exc
         finally:
-            # Cancel only a stream that is still producing. Cancelling one whose final response
-            # already arrived races Triton's own end of the stream and, intermittently, leaves a
-            # reference to the model behind: the next unload then never finishes (seen on the
-            # stand-in under load; python_backend notes the same for cancelled senders).
-            if not finished:
-                call.cancel()
+            done.set()
+            # Cancel only a stream that is still producing: one whose final or error response
+            # arrived is over. Cancelling it races Triton's own end of the stream and,
+            # intermittently, leaves a reference to the model behind: the next unload then
+            # never finishes (seen on the stand-in, with an ensemble's error responses too).
             if not finished and not failed:
+                call.cancel()
                 await self._stop(request.request_id)
 
-    def _open(self, model: str, inputs: list[InferInput], request_id: str) -> Any:
-        async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield {
-                "model_name": model,
-                "inputs": inputs,
-                "request_id": request_id,
-                "enable_empty_final_response": True,
-            }
-
+    def _open(
+        self, model: str, inputs: list[Input], request_id: str, done: asyncio.Event
+    ) -> StreamCall:
         try:
-            return self._client.stream_infer(requests())
-        except InferenceServerException as exc:
+            return self._streams.open(infer_request(model, inputs, request_id), done)
+        except (InferenceServerException, grpc.RpcError) as exc:
             raise BackendUnavailable(self.replica_id, str(exc)) from exc
 
     async def _stop(self, request_id: str) -> None:
@@ -226,19 +212,18 @@ class TritonBackend:
             _tensor("request_output_len", 1, np.int32, "INT32"),
             _tensor("stop", True, np.bool_, "BOOL"),
         ]
-        call = self._open(self.target.engine_model, inputs, request_id)
+        done = asyncio.Event()
+        call = self._open(self.target.engine_model, inputs, request_id, done)
         try:
             async with asyncio.timeout(self.target.timeout_s):
-                async for result, error in call:
-                    if (
-                        error is not None
-                        or result.get_response().parameters["triton_final_response"].bool_param
-                    ):
+                async for result in call:
+                    if result.get_response().parameters["triton_final_response"].bool_param:
                         return
         except (InferenceServerException, grpc.RpcError, TimeoutError) as exc:
+            call.cancel()
             raise BackendFailed(self.replica_id, f"stop request: {exc}") from exc
         finally:
-            call.cancel()
+            done.set()
 
     def _translate_rpc(self, error: grpc.RpcError, produced: bool) -> Exception:
         code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
@@ -287,4 +272,5 @@ class TritonBackend:
     async def close(self) -> None:
         for task in list(self._stops):
             task.cancel()
+        await self._streams.close()
         await self._client.close()

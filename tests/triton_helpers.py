@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,59 +25,131 @@ _HTTP = urllib3.PoolManager()
 
 @dataclass
 class Generation:
+    """What a client saw: the text (or, from the engine model, the token ids), every statistic
+    any response carried, how many responses had outputs, and whether the final one did."""
+
     text: str
     stats: dict[str, int] = field(default_factory=dict)
     responses: int = 0
+    ids: list[int] = field(default_factory=list)
+    final_has_outputs: bool = False
+
+
+def _tensor(name: str, value: Any, dtype: Any, triton: str) -> grpcclient.InferInput:
+    array = np.array([value], dtype=dtype).reshape(1, -1)
+    tensor = grpcclient.InferInput(name, list(array.shape), triton)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+_FLAGS = ("exclude_input_in_output", "return_perf_metrics")
+_COUNTS = ("return_num_input_tokens", "return_num_output_tokens")
 
 
 def _inputs(prompt: str, max_tokens: int, stream: bool) -> list[grpcclient.InferInput]:
-    def make(name: str, value: Any, dtype: Any, triton: str) -> grpcclient.InferInput:
-        array = np.array([[value]], dtype=dtype)
-        tensor = grpcclient.InferInput(name, list(array.shape), triton)
-        tensor.set_data_from_numpy(array)
-        return tensor
-
     return [
-        make("text_input", prompt.encode(), np.object_, "BYTES"),
-        make("max_tokens", max_tokens, np.int32, "INT32"),
-        make("stream", stream, np.bool_, "BOOL"),
-        make("exclude_input_in_output", True, np.bool_, "BOOL"),
-        make("return_perf_metrics", True, np.bool_, "BOOL"),
+        _tensor("text_input", prompt.encode(), np.object_, "BYTES"),
+        _tensor("max_tokens", max_tokens, np.int32, "INT32"),
+        _tensor("stream", stream, np.bool_, "BOOL"),
+        *(_tensor(name, True, np.bool_, "BOOL") for name in _FLAGS + _COUNTS),
     ]
 
 
-_STATS = ("kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks")
+def engine_inputs(prompt: str, max_tokens: int, stream: bool) -> list[grpcclient.InferInput]:
+    """The same request as ``tensorrt_llm`` takes it, the byte tokenizer's ids already made."""
+    ids = list(prompt.encode())
+    return [
+        _tensor("input_ids", ids, np.int32, "INT32"),
+        _tensor("input_lengths", len(ids), np.int32, "INT32"),
+        _tensor("request_output_len", max_tokens, np.int32, "INT32"),
+        _tensor("streaming", stream, np.bool_, "BOOL"),
+        *(_tensor(name, True, np.bool_, "BOOL") for name in _FLAGS + _COUNTS),
+    ]
 
 
-def grpc_generate(
-    replica: Replica, prompt: str, max_tokens: int = 12, stream: bool = False
+STATS = (
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_alloc_total_blocks",
+    "num_input_tokens",
+    "num_output_tokens",
+)
+
+
+def _collect(generation: Generation, item: Any) -> bool:
+    """Add one response to ``generation``; True when it was the final one."""
+    response = item.get_response()
+    names = {output.name for output in response.outputs}
+    if names:
+        generation.responses += 1
+    if "text_output" in names:
+        generation.text += item.as_numpy("text_output").reshape(-1)[0].decode()
+    if "output_ids" in names:
+        generation.ids += item.as_numpy("output_ids").reshape(-1).tolist()
+    for name in STATS:
+        if name in names:
+            generation.stats[name] = int(item.as_numpy(name).reshape(-1)[0])
+    final = bool(response.parameters["triton_final_response"].bool_param)
+    if final:
+        generation.final_has_outputs = bool(names)
+    return final
+
+
+def infer_stream(
+    replica: Replica, model: str, inputs: list[grpcclient.InferInput], request_id: str = ""
 ) -> Generation:
-    """One generation through tritonclient's gRPC ``stream_infer``, as the proxy sends it."""
+    """One request through tritonclient's gRPC ``stream_infer`` with
+    ``enable_empty_final_response``, as the proxy sends it; every response until the final."""
     results: queue.Queue[Any] = queue.Queue()
     client = grpcclient.InferenceServerClient(replica.grpc_url)
     client.start_stream(callback=lambda result, error: results.put(error or result))
     try:
         client.async_stream_infer(
-            MODEL_NAME, _inputs(prompt, max_tokens, stream), enable_empty_final_response=True
+            model, inputs, request_id=request_id, enable_empty_final_response=True
         )
         generation = Generation(text="")
         while True:
-            item = results.get(timeout=60)
+            item = results.get(timeout=120)
             if isinstance(item, Exception):
                 raise item
-            response = item.get_response()
-            if response.outputs:
-                generation.responses += 1
-                generation.text += item.as_numpy("text_output").reshape(-1)[0].decode()
-                for name in _STATS:
-                    value = item.as_numpy(name)
-                    if value is not None:
-                        generation.stats[name] = int(value.reshape(-1)[0])
-            if response.parameters["triton_final_response"].bool_param:
+            if _collect(generation, item):
                 return generation
     finally:
         client.stop_stream()
         client.close()
+
+
+def engine_stop(replica: Replica, request_id: str) -> Generation:
+    """TensorRT-LLM's stop request: ``stop: true`` to tensorrt_llm, naming a request's id."""
+    inputs = [
+        _tensor("input_ids", 0, np.int32, "INT32"),
+        _tensor("input_lengths", 1, np.int32, "INT32"),
+        _tensor("request_output_len", 1, np.int32, "INT32"),
+        _tensor("stop", True, np.bool_, "BOOL"),
+    ]
+    return infer_stream(replica, ENGINE_MODEL, inputs, request_id)
+
+
+def wait_for(condition: Callable[[], bool], limit_s: float = 60.0) -> None:
+    """Poll until ``condition()`` holds (a bounded wait, not a timing assertion)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def grpc_generate(
+    replica: Replica, prompt: str, max_tokens: int = 12, stream: bool = False
+) -> Generation:
+    """One generation through the ``ensemble``."""
+    return infer_stream(replica, MODEL_NAME, _inputs(prompt, max_tokens, stream))
+
+
+def engine_generate(
+    replica: Replica, prompt: str, max_tokens: int = 12, stream: bool = False
+) -> Generation:
+    """The same generation sent straight to ``tensorrt_llm``, bypassing the ensemble."""
+    return infer_stream(replica, ENGINE_MODEL, engine_inputs(prompt, max_tokens, stream))
 
 
 def http_generate(replica: Replica, body: dict[str, Any], stream: bool = False) -> tuple[int, Any]:
@@ -150,3 +226,15 @@ def metric(values: dict[str, float], family: str, **labels: str) -> float:
     if len(matches) != 1:
         raise KeyError(f"{family}{labels}: {len(matches)} samples")
     return matches[0]
+
+
+def group_members(replica: Replica) -> list[int]:
+    """Pids of the processes in the replica's process group (its server and stubs), from /proc."""
+    assert replica.process is not None
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry.name)) == replica.process.pid:
+                    members.append(int(entry.name))
+    return members

@@ -4,8 +4,9 @@ Steps: stop admitting (locally at once; other proxies see the Redis mark within 
 interval, which is why the wait lasts at least ``settle_s``), wait until the replica holds no
 request from anyone (the engine's active-request gauge, so other proxies' and direct clients'
 requests count too), unload with dependents and load through the repository API, wait until
-ready, confirm that the model's request counter restarted at zero, then raise the generation:
-seq 0, state genesis, and a ``kvl:generations`` entry with the reason and the durations.
+ready, confirm that the engine model's request counter and its used-blocks gauge read zero,
+then raise the generation: seq 0, state genesis, and a ``kvl:generations`` entry with the
+reason and the durations.
 """
 
 from __future__ import annotations
@@ -117,17 +118,23 @@ async def verified_reset(
 
 
 async def _reload(replica: ReplicaState) -> str:
-    """Unload and load; then the model must be ready with its request counter at zero."""
+    """Unload and load; then the model must be ready, and the engine model's request counter
+    and TensorRT-LLM's used-blocks gauge must both read zero (a fresh engine, an empty cache)."""
     backend = replica.backend
     try:
         await backend.reset()
-        if not await backend.ready():
+        counters = await backend.counters()
+        if not counters.ready:
             raise ResetFailed(f"replica {replica.id}: the model did not come back ready")
-        count = await backend.request_count()
-        if count != 0:
+        if counters.request_count != 0:
             raise ResetFailed(
-                f"replica {replica.id}: request counter reads {count} after the reload, not 0;"
-                " the model was not reloaded, so its cache may not be empty"
+                f"replica {replica.id}: request counter reads {counters.request_count} after the"
+                " reload, not 0; the model was not reloaded, so its cache may not be empty"
+            )
+        if counters.used_blocks != 0:
+            raise ResetFailed(
+                f"replica {replica.id}: the engine reports {counters.used_blocks:g} KV-cache"
+                " blocks in use after the reload, not 0; its cache may not be empty"
             )
         return await backend.engine_digest()
     except BackendError as exc:
