@@ -13,7 +13,6 @@ in the KV cache ("KV cache capacity exceeded").
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,9 +23,25 @@ import numpy as np
 
 from backends.sim.kvcache import CapacityError, PagedKVCache, Session
 from backends.sim.numerics import F64, keep_freed_memory
-from backends.sim.tokenizer import EOS_ID, VOCAB_SIZE, Sampler, encode, piece
+from backends.sim.params import (
+    EngineConfig,
+    EngineError,
+    SamplingParams,
+    validate_config,
+    validate_params,
+)
+from backends.sim.tokenizer import VOCAB_SIZE, Sampler, encode, piece
 from backends.sim.transformer import Check, Transformer
 
+__all__ = [
+    "CacheStats",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "FinishReason",
+    "GenerationResult",
+    "SamplingParams",
+]
 FinishReason = Literal["stop", "length", "cancelled"]
 _PREALLOCATE_MAX = 4096  # output tokens whose K/V buffer is allocated up front
 _CHECK_EVERY_S = 0.05  # how often a long prefill asks whether its request was cancelled
@@ -34,41 +49,6 @@ _CHECK_EVERY_S = 0.05  # how often a long prefill asks whether its request was c
 
 class _Abandoned(Exception):
     """A cancelled request's forward pass stops here (raised by ``_Run._check``)."""
-
-
-class EngineError(Exception):
-    """A request or configuration the engine rejects, or a request that does not fit."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Model shape, cache geometry and numerics; the defaults are the demo replica's."""
-
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 256
-    tokens_per_block: int = 16
-    capacity_blocks: int = 8192
-    reuse: bool = True
-    float_format: Literal["bf16", "fp16", "fp32"] = "bf16"
-    weight_bits: Literal[16, 4] = 16
-    weight_seed: int = 0
-    prefill_chunk: int = 512
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling; max_tokens=0 runs (and caches) the prefill and emits nothing."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    end_id: int = EOS_ID
-    stop_words: tuple[str, ...] = ()
-    bad_words: tuple[str, ...] = ()
 
 
 @dataclass
@@ -101,45 +81,12 @@ class CacheStats:
     requests_completed: int
 
 
-def _validate_config(c: EngineConfig) -> None:
-    sizes = (c.d_model, c.n_layers, c.n_heads, c.d_ff, c.tokens_per_block, c.prefill_chunk)
-    if min(sizes) < 1 or c.capacity_blocks < 1:
-        raise EngineError("model sizes, tokens_per_block, prefill_chunk, capacity must be >= 1")
-    if c.d_model % c.n_heads or (c.d_model // c.n_heads) % 2:
-        raise EngineError("d_model must split into n_heads heads of even size")
-    if c.float_format not in ("bf16", "fp16", "fp32"):
-        raise EngineError(f"float_format must be bf16, fp16 or fp32, not {c.float_format!r}")
-    if c.weight_bits not in (16, 4):
-        raise EngineError(f"weight_bits must be 16 or 4, not {c.weight_bits!r}")
-    if c.weight_bits == 4 and (c.d_model % 32 or c.d_ff % 32):
-        raise EngineError("int4 weights need d_model and d_ff to be multiples of 32")
-    if c.weight_seed < 0:
-        raise EngineError("weight_seed must be >= 0")
-
-
-def _validate_params(p: SamplingParams) -> None:
-    if p.max_tokens < 0:
-        raise EngineError(f"max_tokens must be >= 0, got {p.max_tokens}")
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise EngineError(f"temperature must be a finite number >= 0, got {p.temperature}")
-    if p.top_k < 0:
-        raise EngineError(f"top_k must be >= 0 (0 means no limit), got {p.top_k}")
-    if not 0.0 < p.top_p <= 1.0:
-        raise EngineError(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.seed < 0:
-        raise EngineError(f"seed must be >= 0, got {p.seed}")
-    if not 0 <= p.end_id < VOCAB_SIZE:
-        raise EngineError(f"end_id must be a token id in [0, {VOCAB_SIZE}), got {p.end_id}")
-    if any(not w for w in p.stop_words + p.bad_words):
-        raise EngineError("stop_words and bad_words must not contain empty strings")
-
-
 class Engine:
     """Serial generation against one paged KV cache."""
 
     def __init__(self, config: EngineConfig, weights: Mapping[str, F64] | None = None) -> None:
         """``weights`` come from an engine file; without them they are made from the seed."""
-        _validate_config(config)
+        validate_config(config)
         keep_freed_memory()
         self.config = config
         self.model = Transformer(
@@ -193,7 +140,7 @@ class Engine:
         """Generate a completion of a text or of token ids; `on_token(id, text)` streams each
         emitted token. `is_cancelled` is asked between prefill chunks and between tokens."""
         arrival = time.time_ns() if arrival_time_ns is None else arrival_time_ns
-        _validate_params(params)
+        validate_params(params)
         tokens = encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise EngineError("prompt must not be empty")
