@@ -139,3 +139,25 @@ def test_killed_server_leaves_no_stub_behind(tmp_path: Path) -> None:
         assert orphans, "the stubs were gone without the launcher"
         stop(replica)
         assert group_members(replica) == []
+
+
+def test_metrics_are_tensorrt_llms_families_and_labels(replicas: dict[str, Replica]) -> None:
+    """The metrics page carries the C++ backend's families, each sample labelled with
+    model="tensorrt_llm", version="1" and the family's own category label."""
+    page = metrics(replicas["r1"])
+    categories = {
+        "nv_trt_llm_request_metrics": ("request_type", {"active", "max", "scheduled"}),
+        "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type", {"used", "reused", "max"}),
+        "nv_trt_llm_inflight_batcher_metrics": (
+            "inflight_batcher_specific_metric",
+            {"total_context_tokens", "generation_requests"},
+        ),
+        "nv_trt_llm_runtime_memory_metrics": ("memory_type", {"cpu", "gpu", "pinned"}),
+        "nv_trt_llm_general_metrics": ("general_type", {"iteration_counter", "timestamp"}),
+    }
+    for family, (label, values) in categories.items():
+        samples = [key for key in page if key.startswith(family + "{")]
+        assert samples, family
+        assert all('model="tensorrt_llm"' in k and 'version="1"' in k for k in samples)
+        assert values <= {k.split(f'{label}="')[1].split('"')[0] for k in samples}
+    assert any(k.startswith("nv_llm_input_token_len_bucket{") for k in page)
