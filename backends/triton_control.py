@@ -75,6 +75,7 @@ class TritonControl:
         self._client = client
         self._http = http
         self._engine = EngineDir(target.replica_id)
+        self._gpt_model_path: str | None = None  # as the engine model's config last said
         self._last_count: int | None = None
 
     async def ready(self) -> bool:
@@ -136,16 +137,20 @@ class TritonControl:
         return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     async def max_input_len(self) -> int | None:
-        """The engine's ``max_input_len`` (its config.json), or None when it cannot be read."""
-        engine_config = await self._model_config(self.target.engine_model)
-        config = await self._engine.config(self._engine_path(engine_config))
+        """The engine's ``max_input_len`` (its config.json), or None when it cannot be read.
+        Cached until the engine is seen reloaded: cheap enough to ask per request."""
+        path = self.target.engine_dir or self._gpt_model_path
+        if path is None:
+            path = self._engine_path(await self._model_config(self.target.engine_model))
+        config = await self._engine.config(path)
         return max_input_len(config) if config is not None else None
 
     def _engine_path(self, engine_config: Mapping[str, Any]) -> str:
         if self.target.engine_dir:
             return self.target.engine_dir
         param = (engine_config.get("parameters") or {}).get("gpt_model_path") or {}
-        return str(param.get("string_value", ""))
+        self._gpt_model_path = str(param.get("string_value", ""))
+        return self._gpt_model_path
 
     async def _model_config(self, name: str) -> dict[str, Any]:
         config = await self._call(self._client.get_model_config(name, as_json=True))

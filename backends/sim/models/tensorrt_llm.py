@@ -79,6 +79,36 @@ def _text(ids: list[int], what: str) -> str:
         raise InputError(f"{what}: token ids do not spell UTF-8 text") from exc
 
 
+def admit(prompt_len: int, output_len: int, build: EngineBuild) -> None:
+    """TensorRT-LLM's admission checks, with its messages."""
+    if output_len < 0:
+        raise InputError(f"request_output_len must be >= 0, got {output_len}")
+    if prompt_len > build.max_input_len:
+        raise InputError(
+            f"Prompt length ({prompt_len}) exceeds maximum input length ({build.max_input_len})."
+        )
+    if prompt_len + output_len > build.max_seq_len:
+        raise InputError(
+            f"Prompt length + number of requested output tokens ({prompt_len} + {output_len})"
+            f" exceeds maximum sequence length ({build.max_seq_len})."
+        )
+
+
+def sampling(request: Any, output_len: int) -> SamplingParams:
+    seed = scalar(request, "seed", None)
+    stops, bans = (words_of(array(request, n)) for n in ("stop_words_list", "bad_words_list"))
+    return SamplingParams(
+        max_tokens=output_len,
+        temperature=float(scalar(request, "temperature", 0.0)),
+        top_k=int(scalar(request, "runtime_top_k", 0)),
+        top_p=float(scalar(request, "runtime_top_p", 1.0)),
+        seed=int(scalar(request, "random_seed", 0) if seed is None else seed),
+        end_id=int(scalar(request, "end_id", 256)),
+        stop_words=tuple(_text(w, "stop_words_list") for w in stops),
+        bad_words=tuple(_text(w, "bad_words_list") for w in bans),
+    )
+
+
 def parse(request: Any, build: EngineBuild) -> Parsed:
     """Read the inputs, and refuse at admission what the engine cannot take."""
     ids_array = array(request, "input_ids")
@@ -87,35 +117,10 @@ def parse(request: Any, build: EngineBuild) -> Parsed:
     length = int(scalar(request, "input_lengths", ids_array.size))
     ids = ids_array.reshape(-1)[:length].tolist()
     output_len = int(scalar(request, "request_output_len", 16))
-    if output_len < 0:
-        raise InputError(f"request_output_len must be >= 0, got {output_len}")
-    if len(ids) > build.max_input_len:
-        raise InputError(
-            f"Prompt length ({len(ids)}) exceeds maximum input length ({build.max_input_len})."
-        )
-    if len(ids) + output_len > build.max_seq_len:
-        raise InputError(
-            f"Prompt length + number of requested output tokens ({len(ids)} + {output_len})"
-            f" exceeds maximum sequence length ({build.max_seq_len})."
-        )
-    seed = scalar(request, "seed", None)
-    params = SamplingParams(
-        max_tokens=output_len,
-        temperature=float(scalar(request, "temperature", 0.0)),
-        top_k=int(scalar(request, "runtime_top_k", 0)),
-        top_p=float(scalar(request, "runtime_top_p", 1.0)),
-        seed=int(scalar(request, "random_seed", 0) if seed is None else seed),
-        end_id=int(scalar(request, "end_id", 256)),
-        stop_words=tuple(
-            _text(w, "stop_words_list") for w in words_of(array(request, "stop_words_list"))
-        ),
-        bad_words=tuple(
-            _text(w, "bad_words_list") for w in words_of(array(request, "bad_words_list"))
-        ),
-    )
+    admit(len(ids), output_len, build)
     return Parsed(
         ids=ids,
-        params=params,
+        params=sampling(request, output_len),
         streaming=bool(scalar(request, "streaming", False)),
         exclude_input=bool(scalar(request, "exclude_input_in_output", False)),
         perf=bool(scalar(request, "return_perf_metrics", False))
