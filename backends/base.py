@@ -113,7 +113,7 @@ class ReplicaCounters:
     iteration_counter: float = 0.0
     reused_blocks: float = 0.0
     active: float = 0.0  # requests the engine holds now (queued or running), from any client
-    used_blocks: float = 0.0  # KV-cache blocks holding anything (0: the cache is empty)
+    used_blocks: float = 0.0  # KV-cache blocks in use now (cached or held by a request)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -143,7 +143,12 @@ class Backend(Protocol):
         ...
 
     async def engine_digest(self) -> str:
-        """A digest of server version, model name, version and config."""
+        """A digest of what the replica computes with: server version, the configs of the model
+        and of the models it is composed of, the engine files and whether blocks are reused."""
+        ...
+
+    async def max_input_len(self) -> int | None:
+        """The longest prompt (in tokens) the engine admits, or None when it cannot be read."""
         ...
 
     async def counters(self) -> ReplicaCounters:
@@ -151,7 +156,8 @@ class Backend(Protocol):
         ...
 
     async def request_count(self) -> int:
-        """Requests the model has completed since it was loaded (restarts at 0 on a reload)."""
+        """Requests the engine has taken since it was loaded (restarts at 0 on a reload): every
+        path to the KV cache counts here, whichever model a client called."""
         ...
 
     async def close(self) -> None: ...

@@ -1,28 +1,39 @@
 """Triton Inference Server with TensorRT-LLM's ``ensemble`` interface, over gRPC (asyncio).
 
-Every generation goes through ``ModelStreamInfer`` (``stream_infer``): it serves decoupled and
-non-decoupled models alike, and cancelling the call cancels the request inside Triton. One gRPC
-channel per replica carries all requests (HTTP/2 streams), so no request pays a connection set-up.
-Model control (unload, load) and statistics also go over gRPC; the metrics page over HTTP.
+Every generation goes through ``ModelStreamInfer`` (:mod:`backends.triton_grpc`): it serves
+decoupled and non-decoupled models alike. One gRPC channel per replica carries all generations
+(HTTP/2 streams), so no request pays a connection set-up. Model control (unload, load) and
+statistics go over tritonclient's gRPC client; the metrics page over HTTP.
+
+What a replica is made of (TensorRT-LLM's ``inflight_batcher_llm`` repository): the served model
+(``ensemble``) and the *engine model* (``tensorrt_llm``) that every path to the KV cache goes
+through, whether a request comes through the ensemble, a BLS model or straight to it. So:
+- per-request statistics are read from whichever response carries them: through a decoupled
+  ensemble the final response may carry them or be flags-only (``enable_empty_final_response``);
+- the request counter (continuity, verified resets) is the engine model's;
+- the engine digest covers the configs of the served model and every model it is composed of,
+  the engine files' checksum and the reuse flag (:mod:`backends.engine_dir`);
+- abandoning a request also sends the engine model a ``stop`` request for its request id:
+  Triton does not pass a cancelled ensemble request's cancellation on to a step already running
+  (it checks only between steps), so without it the engine would finish an abandoned request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+import contextlib
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 import grpc
 import numpy as np
-import orjson
 import tritonclient.grpc.aio as grpcaio
-from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from backends.base import (
+    BackendError,
     BackendFailed,
     BackendRejected,
     BackendUnavailable,
@@ -31,6 +42,9 @@ from backends.base import (
     GenerationRequest,
     ReplicaCounters,
 )
+from backends.triton_control import TritonControl
+from backends.triton_grpc import Input, StreamCall, StreamChannel, infer_request
+from backends.triton_grpc import tensor as _tensor
 
 _STATS = {
     "kv_cache_reused_blocks": "reused_blocks",
@@ -42,7 +56,6 @@ _STATS = {
     "num_input_tokens": "input_tokens",
     "num_output_tokens": "output_tokens",
 }
-_KV = "nv_trt_llm_kv_cache_block_metrics"
 
 
 @dataclass(frozen=True)
@@ -57,19 +70,14 @@ class TritonTarget:
     perf_input: str = "return_perf_metrics"  # "return_kv_cache_reuse_stats" before 0.19
     token_counts: bool = True  # return_num_{input,output}_tokens: ensembles of 0.16-0.19 lack them
     timeout_s: float = 10.0
+    engine_model: str = "tensorrt_llm"  # the model every path to the KV cache goes through
+    engine_dir: str = ""  # its engine directory as this process reads it ("" = gpt_model_path)
 
 
-def _tensor(name: str, value: Any, dtype: Any, triton_type: str) -> InferInput:
-    array = np.array([value], dtype=dtype).reshape(1, -1)
-    tensor = InferInput(name, list(array.shape), triton_type)
-    tensor.set_data_from_numpy(array)
-    return tensor
-
-
-def constant_inputs(target: TritonTarget) -> tuple[InferInput, ...]:
+def constant_inputs(target: TritonTarget) -> tuple[Input, ...]:
     """Inputs every request carries: never echo the prompt, always return the statistics.
 
-    Built once per replica: an InferInput is only read when a request is serialised.
+    Built once per replica: an Input is only read when a request is serialised.
     """
     names = ["exclude_input_in_output", target.perf_input]
     if target.token_counts:
@@ -78,8 +86,8 @@ def constant_inputs(target: TritonTarget) -> tuple[InferInput, ...]:
 
 
 def build_inputs(
-    target: TritonTarget, request: GenerationRequest, constant: tuple[InferInput, ...]
-) -> list[InferInput]:
+    target: TritonTarget, request: GenerationRequest, constant: tuple[Input, ...]
+) -> list[Input]:
     """The ensemble's inputs for one request."""
     inputs = [
         _tensor("text_input", request.prompt.encode(), np.object_, "BYTES"),
@@ -100,32 +108,39 @@ def build_inputs(
     return inputs
 
 
-def parse_stats(result: Any) -> EngineStats:
+def parse_stats(outputs: Mapping[str, Any], base: EngineStats | None = None) -> EngineStats | None:
+    """TensorRT-LLM's per-request statistics in one response's outputs (output name -> numpy
+    array, list or scalar, as tritonclient or a JSON body gives them), over ``base`` (what
+    earlier responses of the stream carried); None when neither has any."""
     values: dict[str, int] = {}
     for output, field_name in _STATS.items():
-        array = result.as_numpy(output)
-        if array is not None:
-            values[field_name] = int(array.reshape(-1)[0])
-    return EngineStats(**values)
+        value = outputs.get(output)
+        if value is None:
+            continue
+        if isinstance(value, list):  # a JSON body's one-element array
+            value = value[0]
+        # Plain numbers (JSON) are taken as they are; numpy arrays (tritonclient) unpacked.
+        values[field_name] = int(
+            value if isinstance(value, int | float) else np.asarray(value).reshape(-1)[0]
+        )
+    if not values:
+        return base
+    return replace(base, **values) if base is not None else EngineStats(**values)
 
 
-def parse_metrics(page: str) -> dict[str, float]:
-    """A Prometheus text page as ``{'family{labels}': value}``."""
-    values: dict[str, float] = {}
-    for line in page.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            try:
-                values[key] = float(value)
-            except ValueError:
-                continue
-    return values
+def text_of(outputs: Mapping[str, Any]) -> str:
+    """The ``text_output`` of one response ('' when it has none)."""
+    value = outputs.get("text_output")
+    if value is None:
+        return ""
+    first = np.asarray(value, dtype=np.object_).reshape(-1)
+    item = first[0] if first.size else b""
+    return item.decode() if isinstance(item, bytes) else str(item)
 
 
-def sample(values: dict[str, float], family: str, label: str) -> float:
-    """Sum of a family's samples whose labels contain ``label``, e.g. ``general_type="x"``."""
-    prefix = family + "{"
-    return sum(v for k, v in values.items() if k.startswith(prefix) and label in k)
+def result_outputs(result: Any) -> dict[str, Any]:
+    """A tritonclient result's outputs as ``{name: numpy array}``."""
+    return {output.name: result.as_numpy(output.name) for output in result.get_response().outputs}
 
 
 class TritonBackend:
@@ -134,51 +149,87 @@ class TritonBackend:
     def __init__(self, target: TritonTarget, http: aiohttp.ClientSession) -> None:
         self.target = target
         self.replica_id = target.replica_id
-        self._client = grpcaio.InferenceServerClient(target.grpc)
-        self._http = http
+        self._client = grpcaio.InferenceServerClient(target.grpc)  # model control, statistics
+        self._streams = StreamChannel(target.grpc)  # generations
         self._constant = constant_inputs(target)
+        self.control = TritonControl(target, self._client, http)
+        self._stops: set[asyncio.Task[None]] = set()
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
         inputs = build_inputs(self.target, request, self._constant)
-
-        async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield {
-                "model_name": self.target.model,
-                "inputs": inputs,
-                "request_id": request.request_id,
-                "enable_empty_final_response": True,
-            }
-
+        done = asyncio.Event()
+        call = self._open(self.target.model, inputs, request.request_id, done)
+        produced = finished = failed = False
+        stats: EngineStats | None = None
         try:
-            call = self._client.stream_infer(requests())
-        except InferenceServerException as exc:
-            raise BackendUnavailable(self.replica_id, str(exc)) from exc
-        produced = finished = False
-        try:
-            async for result, error in call:
-                if error is not None:
-                    raise self._translate(error, produced)
+            async for result in call:
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
-                text_array = result.as_numpy("text_output") if response.outputs else None
-                text = text_array.reshape(-1)[0].decode() if text_array is not None else ""
+                outputs = result_outputs(result) if response.outputs else {}
+                text, stats = text_of(outputs), parse_stats(outputs, stats)
                 produced = produced or bool(text)
                 finished = final
-                yield Chunk(text, final, parse_stats(result) if final else None)
+                if final:
+                    done.set()  # our side of the stream may close now (see _open)
+                yield Chunk(text, final, stats if final else None)
                 if final:
                     return
+            failed = True
             raise BackendFailed(self.replica_id, "stream ended without a final response")
         except InferenceServerException as exc:
+            failed = True
             raise self._translate(exc, produced) from exc
         except grpc.RpcError as exc:  # tritonclient passes errors of the stream itself through
+            failed = True
             raise self._translate_rpc(exc, produced) from exc
         finally:
-            # Cancel only a stream that is still producing. Cancelling one whose final response
-            # already arrived races Triton's own end of the stream and, intermittently, leaves a
-            # reference to the model behind: the next unload then never finishes (seen on the
-            # stand-in under load; python_backend notes the same for cancelled senders).
-            if not finished:
+            done.set()
+            # Cancel only a stream that is still producing: one whose final or error response
+            # arrived is over. Cancelling it races Triton's own end of the stream and,
+            # intermittently, leaves a reference to the model behind: the next unload then
+            # never finishes (seen on the stand-in, with an ensemble's error responses too).
+            if not finished and not failed:
                 call.cancel()
+                await self._stop(request.request_id)
+
+    def _open(
+        self, model: str, inputs: list[Input], request_id: str, done: asyncio.Event
+    ) -> StreamCall:
+        try:
+            return self._streams.open(infer_request(model, inputs, request_id), done)
+        except (InferenceServerException, grpc.RpcError) as exc:
+            raise BackendUnavailable(self.replica_id, str(exc)) from exc
+
+    async def _stop(self, request_id: str) -> None:
+        """Ask the engine model to stop an abandoned request (see the module docstring)."""
+        if self.target.engine_model == self.target.model:
+            return  # the call's cancellation reaches the engine itself
+        task = asyncio.ensure_future(self._send_stop(request_id))
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
+        with contextlib.suppress(BackendError):
+            # Shielded: a request abandoned because its own task was cancelled still stops.
+            await asyncio.shield(task)
+
+    async def _send_stop(self, request_id: str) -> None:
+        inputs = [
+            _tensor("input_ids", 0, np.int32, "INT32"),
+            _tensor("input_lengths", 1, np.int32, "INT32"),
+            _tensor("request_output_len", 1, np.int32, "INT32"),
+            _tensor("stop", True, np.bool_, "BOOL"),
+        ]
+        done = asyncio.Event()
+        call = self._open(self.target.engine_model, inputs, request_id, done)
+        try:
+            async with asyncio.timeout(self.target.timeout_s):
+                async for result in call:
+                    if result.get_response().parameters["triton_final_response"].bool_param:
+                        return
+        except (InferenceServerException, grpc.RpcError, TimeoutError) as exc:
+            call.cancel()
+            raise BackendFailed(self.replica_id, f"stop request: {exc}") from exc
+        finally:
+            done.set()
 
     def _translate_rpc(self, error: grpc.RpcError, produced: bool) -> Exception:
         code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
@@ -197,98 +248,41 @@ class TritonBackend:
         if "UNAVAILABLE" in status or "unavailable" in message.lower() or "not found" in message:
             kind: type[Exception] = BackendFailed if produced else BackendUnavailable
             return kind(self.replica_id, message)
+        if (
+            "exceeds maximum input length" in message
+            or "exceeds maximum sequence length" in message
+        ):
+            return BackendRejected(self.replica_id, message)  # TensorRT-LLM's admission check
         if produced or "internal" in message.lower():
             return BackendFailed(self.replica_id, message)
         return BackendRejected(self.replica_id, message)
 
     async def ready(self) -> bool:
-        try:
-            timeout = self.target.timeout_s
-            live = await self._client.is_server_ready(client_timeout=timeout)
-            model_ready = await self._client.is_model_ready(
-                self.target.model, client_timeout=timeout
-            )
-        except InferenceServerException:
-            return False
-        return bool(live and model_ready)
-
-    async def unload(self) -> None:
-        await self._call(self._client.unload_model(self.target.model, unload_dependents=True))
-
-    async def load(self) -> None:
-        await self._call(self._client.load_model(self.target.model))
+        return await self.control.ready()
 
     async def reset(self) -> None:
-        """Unload (returns at once), wait until the model is gone, then load (blocks till ready).
-        A model that is not loaded (an earlier reset was interrupted) is only loaded."""
-        if await self.model_state() in ("READY", "UNLOADING", "LOADING"):
-            await self.unload()
-        for _ in range(1200):
-            if await self.model_state() not in ("READY", "UNLOADING"):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise BackendFailed(self.replica_id, "model did not finish unloading in 60 s")
-        await self.load()
+        await self.control.reset()
+
+    async def load(self) -> None:
+        await self.control.load()
 
     async def model_state(self) -> str:
-        """The model's state in the repository index: READY, UNLOADING, UNAVAILABLE, ..."""
-        index = await self._call(self._client.get_model_repository_index(as_json=True))
-        for model in index.get("models", []):
-            if model.get("name") == self.target.model:
-                return str(model.get("state", "UNAVAILABLE"))
-        return "UNAVAILABLE"
+        return await self.control.model_state()
 
     async def engine_digest(self) -> str:
-        server = await self._call(self._client.get_server_metadata(as_json=True))
-        config = await self._call(self._client.get_model_config(self.target.model, as_json=True))
-        material = {
-            "server": {"name": server.get("name"), "version": server.get("version")},
-            "model": self.target.model,
-            "config": config.get("config", config),
-        }
-        return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
+        return await self.control.engine_digest()
 
-    async def request_count(self) -> int:
-        """Triton's count of requests the model has completed since it was loaded."""
-        stats = await self._call(
-            self._client.get_inference_statistics(self.target.model, as_json=True)
-        )
-        total = 0
-        for model in stats.get("model_stats", []):
-            inference = model.get("inference_stats", {})
-            total += int(inference.get("success", {}).get("count", 0))
-            total += int(inference.get("fail", {}).get("count", 0))
-        return total
+    async def max_input_len(self) -> int | None:
+        return await self.control.max_input_len()
 
     async def counters(self) -> ReplicaCounters:
-        if not await self.ready():
-            return ReplicaCounters(ready=False)
-        count = await self.request_count()
-        page = await self.scrape()
-        return ReplicaCounters(
-            ready=True,
-            request_count=count,
-            iteration_counter=sample(page, "nv_trt_llm_general_metrics", "iteration_counter"),
-            reused_blocks=sample(page, _KV, 'kv_cache_block_type="reused"'),
-            active=sample(page, "nv_trt_llm_request_metrics", 'request_type="active"'),
-            used_blocks=sample(page, _KV, 'kv_cache_block_type="used"'),
-            metrics=page,
-        )
+        return await self.control.counters()
 
-    async def scrape(self) -> dict[str, float]:
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.target.timeout_s)
-            async with self._http.get(self.target.metrics, timeout=timeout) as response:
-                return parse_metrics(await response.text())
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise BackendUnavailable(self.replica_id, f"metrics: {exc}") from exc
-
-    async def _call(self, awaitable: Any) -> Any:
-        try:
-            return await asyncio.wait_for(awaitable, self.target.timeout_s * 6)
-        except (InferenceServerException, TimeoutError) as exc:
-            raise BackendUnavailable(self.replica_id, str(exc)) from exc
+    async def request_count(self) -> int:
+        return await self.control.request_count()
 
     async def close(self) -> None:
+        for task in list(self._stops):
+            task.cancel()
+        await self._streams.close()
         await self._client.close()

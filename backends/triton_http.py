@@ -18,7 +18,8 @@ server-sent event ``data: {JSON}``: every output by name (one-element tensors as
 ``model_name`` and ``model_version``; an error is ``data: {"error": "..."}`` (with the HTTP
 status of its code when it is the first response). The final response ends the chunked body; a
 final response without outputs (a decoupled model's flags-only end) adds no event. Statistics
-are therefore taken from the last event that carries them, not only from the last event.
+are therefore taken from whichever events carry them (``backends.triton.parse_stats``, shared
+with the gRPC transport), not only from the last event.
 
 Errors, into the tree of ``backends.base``: nothing streamed and the replica unreachable (refused,
 reset, 503, model not found) is :class:`BackendUnavailable`, so production fails over; the
@@ -28,7 +29,7 @@ replica refusing the input (400) :class:`BackendRejected`; anything after accept
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -43,30 +44,8 @@ from backends.base import (
     EngineStats,
     GenerationRequest,
 )
-from backends.triton import TritonBackend, TritonTarget
+from backends.triton import TritonBackend, TritonTarget, parse_stats
 from backends.triton_http_wire import Pool, WireError
-
-# Output name -> EngineStats field: TensorRT-LLM's per-request statistics.
-STATS_OUTPUTS = {
-    "kv_cache_reused_blocks": "reused_blocks",
-    "kv_cache_alloc_new_blocks": "new_blocks",
-    "kv_cache_alloc_total_blocks": "total_blocks",
-    "arrival_time_ns": "arrival_ns",
-    "first_token_time_ns": "first_token_ns",
-    "last_token_time_ns": "last_token_ns",
-    "num_input_tokens": "input_tokens",
-    "num_output_tokens": "output_tokens",
-}
-
-
-def stats_from_outputs(outputs: Mapping[str, Any]) -> EngineStats | None:
-    """The statistics among one response's outputs (name -> value), or None if it has none."""
-    values = {}
-    for output, field_name in STATS_OUTPUTS.items():
-        value = outputs.get(output)
-        if value is not None:
-            values[field_name] = int(value[0] if isinstance(value, list) else value)
-    return EngineStats(**values) if values else None
 
 
 def request_body(target: TritonTarget, request: GenerationRequest) -> bytes:
@@ -133,7 +112,7 @@ class TritonHttpBackend(TritonBackend):
                 *events, buffer = (buffer + data).split(b"\n\n")
                 for event in events:
                     outputs = self._event(event, produced)
-                    stats = stats_from_outputs(outputs) or stats
+                    stats = parse_stats(outputs, stats)
                     text = outputs.get("text_output")
                     if text:
                         produced = True

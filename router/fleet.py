@@ -43,6 +43,7 @@ class ReplicaState:
     in_flight: int = 0
     generation: int = 0
     engine_digest: str = ""
+    engine_max_input_len: int = 0  # from the engine's own config (0: not known)
     counters: ReplicaCounters | None = None
     served: int = 0
     reused_blocks: int = 0

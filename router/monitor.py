@@ -124,6 +124,7 @@ class Monitor:
         and the engine's used-blocks gauge both read 0); otherwise its state is unknown.
         """
         digest = await replica.backend.engine_digest()
+        replica.engine_max_input_len = await replica.backend.max_input_len() or 0
         empty = counters.request_count == 0 and counters.used_blocks == 0
         count = counters.request_count
         head = await self.ledger.ensure_replica(

@@ -48,6 +48,8 @@ class ReplicaSettings:
     seed_input: str = "seed"
     perf_input: str = "return_perf_metrics"
     token_counts: bool = True
+    engine_model: str = "tensorrt_llm"  # the model every path to the KV cache goes through
+    engine_dir: str = ""  # its engine directory as the proxy reads it ("" = gpt_model_path)
     # The engine's max_input_len in tokens (0: not known here; the replica still enforces it),
     # and the most UTF-8 bytes one token of its tokenizer can stand for (0: not known). With
     # both, a prompt of more than max_input_len * max_token_bytes bytes has certainly more

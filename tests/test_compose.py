@@ -188,6 +188,44 @@ def test_cpu_replicas_cache_reuse_matches_the_proxy_config(project: Path) -> Non
 
 
 @needs_compose
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_proxy_reads_each_replicas_engine_where_the_replica_keeps_it(
+    project: Path, profile: str
+) -> None:
+    """Each replica's engine_dir in the proxy's config is a read-only mount of the files the
+    replica serves from: its volume (cpu: under --workdir) or the engines directory (gpu)."""
+    services = active_services(project, profile, BASE)
+    proxy_mounts = mounts(services[f"kvledger-{profile}"])
+    for replica in profile_settings(profile).replicas:
+        assert replica.engine_model == "tensorrt_llm"
+        source, inside = next(
+            (src, Path(replica.engine_dir).relative_to(dst))
+            for src, (dst, mode) in proxy_mounts.items()
+            if mode == "ro" and Path(replica.engine_dir).is_relative_to(dst)
+        )
+        if profile == "gpu":
+            assert mounts(services[replica.id])[source][0] == "/engines" == replica.engine_dir
+            continue
+        command = services[replica.id]["command"]
+        workdir = Path(command[command.index("--workdir") + 1])
+        volume = Path(mounts(services[replica.id])[source][0])
+        assert volume / inside == workdir / replica.id / "engine"
+
+
+def mounts(service: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """A service's volumes as {source: (target, mode)}, for short or long syntax."""
+    found = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            mode = "ro" if volume.get("read_only") else "rw"
+            found[str(volume["source"])] = (str(volume["target"]), mode)
+        else:
+            source, target, *rest = str(volume).split(":")
+            found[source] = (target, rest[0] if rest else "rw")
+    return found
+
+
+@needs_compose
 def test_gpu_replicas_load_only_the_ensemble_so_a_reset_reloads_the_engine(
     project: Path,
 ) -> None:
@@ -284,6 +322,8 @@ def sim_1(
     ports = dict(zip(TRITON_PORTS, free_ports(3), strict=True))
     # Needs `kvledger replica` registered in router/cli.py (router.cli_replica.register).
     argv = kvledger_executable() + with_ports(command, ports)[1:]
+    if "--workdir" in argv:  # the container's volume; here a directory of this test's
+        argv[argv.index("--workdir") + 1] = str(tmp_path / "replica")
     log = tmp_path / "sim-1.log"
     with log.open("wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
@@ -308,6 +348,7 @@ def test_cpu_replica_container_command_serves_generate_and_stops_on_sigterm(
     and exits 0 when stopped with SIGTERM, as `docker stop` does."""
     process, log, ports = sim_1
     base = f"http://127.0.0.1:{ports['--http-port']}"
+    engine = log.parent / "replica" / "sim-1" / "engine"
     deadline = time.monotonic() + 60
     while http("GET", f"{base}/v2/models/ensemble/ready")[0] != 200:
         assert process.poll() is None, log.read_text()[-3000:]
@@ -317,6 +358,7 @@ def test_cpu_replica_container_command_serves_generate_and_stops_on_sigterm(
     status, answer = http("POST", f"{base}/v2/models/ensemble/generate", body)
     assert status == 200, answer
     assert isinstance(orjson.loads(answer)["text_output"], str)
+    assert (engine / "config.json").is_file()  # where the proxy's engine_dir expects it
     metrics = http("GET", f"http://127.0.0.1:{ports['--metrics-port']}/metrics")
     assert metrics[0] == 200
     process.send_signal(signal.SIGTERM)

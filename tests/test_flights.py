@@ -46,6 +46,9 @@ class Broken:
     async def engine_digest(self) -> str:
         return "fake-engine"
 
+    async def max_input_len(self) -> int | None:
+        return None
+
     async def counters(self) -> ReplicaCounters:
         return ReplicaCounters(ready=True, request_count=1)
 

@@ -228,3 +228,19 @@ def test_streaming_and_cancellation() -> None:
     assert again.reused_blocks == (len(PROMPT) + 8) // 4
     assert result.arrival_time_ns <= result.first_scheduled_time_ns <= result.first_token_time_ns
     assert result.first_token_time_ns <= result.last_token_time_ns
+
+
+def test_cancelled_prefill_stops_between_passes() -> None:
+    """A long prompt cancelled during its prefill stops there: the chunks after it are never
+    computed, and only the blocks computed before it are cached."""
+    engine = Engine(EngineConfig(prefill_chunk=64))
+    prompt = PROMPT * 40  # about 2,900 tokens: 45 chunks
+
+    def cancelled() -> bool:
+        return engine.stats().iterations >= 5
+
+    result = engine.generate(prompt, SamplingParams(max_tokens=4), is_cancelled=cancelled)
+    assert result.finish_reason == "cancelled" and result.output_tokens == []
+    assert engine.stats().iterations == 5
+    again = engine.generate(prompt, SamplingParams(max_tokens=1))
+    assert again.reused_blocks == 5 * 64 // 16

@@ -131,7 +131,7 @@ def test_metrics_follow_the_cache(replicas: dict[str, Replica]) -> None:
     ("body", "message"),
     [
         ({"max_tokens": 4}, "text_input"),
-        ({"text_input": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"text_input": "hi", "max_tokens": -1}, "request_output_len"),
         ({"text_input": "hi", "max_tokens": "four"}, ""),
         ({"text_input": "hi", "max_tokens": 4, "top_p": 7.0}, "top_p"),
     ],

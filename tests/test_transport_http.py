@@ -24,8 +24,8 @@ from backends.base import (
     GenerationRequest,
 )
 from backends.sim.launcher import Replica, config_snippet, free_ports
-from backends.triton import TritonBackend, TritonTarget
-from backends.triton_http import TritonHttpBackend, stats_from_outputs
+from backends.triton import TritonBackend, TritonTarget, parse_stats
+from backends.triton_http import TritonHttpBackend
 from router.cli.local import ProxyProcess, create_key
 from tests.ledger_view import LedgerView
 from tests.servers import RedisServer
@@ -114,8 +114,8 @@ async def test_unreachable_replica_or_model_is_unavailable(
 
 def test_statistics_are_read_from_outputs_by_name() -> None:
     """An event without statistics gives None; one-element arrays and scalars both count."""
-    assert stats_from_outputs({"text_output": "x", "model_name": "ensemble"}) is None
-    stats = stats_from_outputs({"kv_cache_reused_blocks": [3], "num_output_tokens": 7})
+    assert parse_stats({"text_output": "x", "model_name": "ensemble"}) is None
+    stats = parse_stats({"kv_cache_reused_blocks": [3], "num_output_tokens": 7})
     assert stats is not None and (stats.reused_blocks, stats.output_tokens) == (3, 7)
 
 

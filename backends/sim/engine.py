@@ -13,10 +13,9 @@ in the KV cache ("KV cache capacity exceeded").
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,46 +23,32 @@ import numpy as np
 
 from backends.sim.kvcache import CapacityError, PagedKVCache, Session
 from backends.sim.numerics import F64, keep_freed_memory
-from backends.sim.tokenizer import EOS_ID, VOCAB_SIZE, Sampler, encode, piece
-from backends.sim.transformer import Transformer
+from backends.sim.params import (
+    EngineConfig,
+    EngineError,
+    SamplingParams,
+    validate_config,
+    validate_params,
+)
+from backends.sim.tokenizer import VOCAB_SIZE, Sampler, encode, piece
+from backends.sim.transformer import Check, Transformer
 
+__all__ = [
+    "CacheStats",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "FinishReason",
+    "GenerationResult",
+    "SamplingParams",
+]
 FinishReason = Literal["stop", "length", "cancelled"]
 _PREALLOCATE_MAX = 4096  # output tokens whose K/V buffer is allocated up front
+_CHECK_EVERY_S = 0.05  # how often a long prefill asks whether its request was cancelled
 
 
-class EngineError(Exception):
-    """A request or configuration the engine rejects, or a request that does not fit."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Model shape, cache geometry and numerics; the defaults are the demo replica's."""
-
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 256
-    tokens_per_block: int = 16
-    capacity_blocks: int = 8192
-    reuse: bool = True
-    float_format: Literal["bf16", "fp16", "fp32"] = "bf16"
-    weight_bits: Literal[16, 4] = 16
-    weight_seed: int = 0
-    prefill_chunk: int = 512
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling; max_tokens=0 runs (and caches) the prefill and emits nothing."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    end_id: int = EOS_ID
-    stop_words: tuple[str, ...] = ()
-    bad_words: tuple[str, ...] = ()
+class _Abandoned(Exception):
+    """A cancelled request's forward pass stops here (raised by ``_Run._check``)."""
 
 
 @dataclass
@@ -96,44 +81,12 @@ class CacheStats:
     requests_completed: int
 
 
-def _validate_config(c: EngineConfig) -> None:
-    sizes = (c.d_model, c.n_layers, c.n_heads, c.d_ff, c.tokens_per_block, c.prefill_chunk)
-    if min(sizes) < 1 or c.capacity_blocks < 1:
-        raise EngineError("model sizes, tokens_per_block, prefill_chunk, capacity must be >= 1")
-    if c.d_model % c.n_heads or (c.d_model // c.n_heads) % 2:
-        raise EngineError("d_model must split into n_heads heads of even size")
-    if c.float_format not in ("bf16", "fp16", "fp32"):
-        raise EngineError(f"float_format must be bf16, fp16 or fp32, not {c.float_format!r}")
-    if c.weight_bits not in (16, 4):
-        raise EngineError(f"weight_bits must be 16 or 4, not {c.weight_bits!r}")
-    if c.weight_bits == 4 and (c.d_model % 32 or c.d_ff % 32):
-        raise EngineError("int4 weights need d_model and d_ff to be multiples of 32")
-    if c.weight_seed < 0:
-        raise EngineError("weight_seed must be >= 0")
-
-
-def _validate_params(p: SamplingParams) -> None:
-    if p.max_tokens < 0:
-        raise EngineError(f"max_tokens must be >= 0, got {p.max_tokens}")
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise EngineError(f"temperature must be a finite number >= 0, got {p.temperature}")
-    if p.top_k < 0:
-        raise EngineError(f"top_k must be >= 0 (0 means no limit), got {p.top_k}")
-    if not 0.0 < p.top_p <= 1.0:
-        raise EngineError(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.seed < 0:
-        raise EngineError(f"seed must be >= 0, got {p.seed}")
-    if not 0 <= p.end_id < VOCAB_SIZE:
-        raise EngineError(f"end_id must be a token id in [0, {VOCAB_SIZE}), got {p.end_id}")
-    if any(not w for w in p.stop_words + p.bad_words):
-        raise EngineError("stop_words and bad_words must not contain empty strings")
-
-
 class Engine:
     """Serial generation against one paged KV cache."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        _validate_config(config)
+    def __init__(self, config: EngineConfig, weights: Mapping[str, F64] | None = None) -> None:
+        """``weights`` come from an engine file; without them they are made from the seed."""
+        validate_config(config)
         keep_freed_memory()
         self.config = config
         self.model = Transformer(
@@ -144,6 +97,7 @@ class Engine:
             fmt=config.float_format,
             weight_bits=config.weight_bits,
             seed=config.weight_seed,
+            weights=weights,
         )
         self._cache = PagedKVCache(
             capacity_blocks=config.capacity_blocks,
@@ -176,19 +130,22 @@ class Engine:
 
     def generate(
         self,
-        prompt: str,
+        prompt: str | list[int],
         params: SamplingParams,
         *,
         on_token: Callable[[int, str], None] | None = None,
         is_cancelled: Callable[[], bool] | None = None,
         arrival_time_ns: int | None = None,
     ) -> GenerationResult:
-        """Generate a completion; `on_token(id, text)` streams each emitted token."""
+        """Generate a completion of a text or of token ids; `on_token(id, text)` streams each
+        emitted token. `is_cancelled` is asked between prefill chunks and between tokens."""
         arrival = time.time_ns() if arrival_time_ns is None else arrival_time_ns
-        _validate_params(params)
-        tokens = encode(prompt)
+        validate_params(params)
+        tokens = encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise EngineError("prompt must not be empty")
+        if min(tokens) < 0 or max(tokens) >= VOCAB_SIZE:
+            raise EngineError(f"input ids must be token ids in [0, {VOCAB_SIZE})")
         with self._lock:
             scheduled = time.time_ns()
             expected = len(tokens) + min(params.max_tokens, _PREALLOCATE_MAX)
@@ -219,7 +176,9 @@ class Engine:
             finish_reason=run.finish_reason,
         )
 
-    def _forward(self, session: Session, start: int, end: int, decode: bool) -> F64:
+    def _forward(
+        self, session: Session, start: int, end: int, decode: bool, check: Check | None = None
+    ) -> F64:
         session.reserve(end)
         chunk = np.asarray(session.tokens[start:end], dtype=np.int64)
         logits = self.model.forward(
@@ -229,6 +188,7 @@ class Engine:
             session.v,
             decode=decode,
             tokens_per_block=self.config.tokens_per_block,
+            check=check,
         )
         session.computed = end
         self._iterations += 1
@@ -254,12 +214,16 @@ class _Run:
         self.first_token_ns = 0
         self.last_token_ns = 0
         self.finish_reason: FinishReason = "length"
+        self._checked = time.monotonic()
 
     def execute(self) -> None:
         if self.is_cancelled():
             self.finish_reason = "cancelled"
             return
         logits = self._prefill()
+        if logits is None:
+            self.finish_reason = "cancelled"
+            return
         if self.params.max_tokens == 0:
             return
         p = self.params
@@ -282,16 +246,32 @@ class _Run:
             pos = self.session.computed
             logits = self.engine._forward(self.session, pos, pos + 1, decode=True)
 
-    def _prefill(self) -> F64:
-        """Chunks of prefill_chunk tokens counted from the cache boundary."""
+    def _prefill(self) -> F64 | None:
+        """Chunks of prefill_chunk tokens counted from the cache boundary; None when the
+        request was cancelled between two chunks (as an engine stops between iterations)."""
         session, chunk = self.session, self.engine.config.prefill_chunk
-        start, n = session.computed, len(session.tokens)
+        begin = start = session.computed
+        n = len(session.tokens)
         logits: F64 = np.zeros(0)
-        while start < n:
-            end = min(start + chunk, n)
-            logits = self.engine._forward(session, start, end, decode=False)
-            start = end
+        try:
+            while start < n:
+                if start > begin and self.is_cancelled():
+                    return None
+                end = min(start + chunk, n)
+                logits = self.engine._forward(session, start, end, False, self._check)
+                start = end
+        except _Abandoned:
+            return None
         return logits
+
+    def _check(self) -> None:
+        # Asked between passes over the cached pages: a chunk over a long prefix takes seconds
+        # on a CPU, so a cancelled prefill stops within one pass, not one chunk.
+        now = time.monotonic()
+        if now - self._checked >= _CHECK_EVERY_S:
+            self._checked = now
+            if self.is_cancelled():
+                raise _Abandoned
 
     def _emit(self, token: int) -> None:
         text = piece(token)

@@ -1,8 +1,10 @@
 """Start stand-in replicas: real ``tritonserver`` processes from the nvidia-pytriton wheel.
 
 Each replica is one Triton server (its own loopback ports, its own shared-memory prefix, its own
-model repository) started with ``--model-control-mode=explicit`` and the ``ensemble`` model
-loaded, so resets are real unload and load calls, exactly as on a GPU fleet.
+model repository, engine and tokenizer: :mod:`backends.sim.repository`) started with
+``--model-control-mode=explicit`` and only the ``ensemble`` model named, so Triton loads its
+composing models as dependents and resets are real unload and load calls, as on a GPU fleet.
+Stopping a replica empties its whole process group: no Python-backend stub outlives its server.
 
 Used by the ``kvledger replicas up`` command, the README's demo and the tests::
 
@@ -28,7 +30,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backends.sim.repository import MODEL_NAME, ModelSettings, write_repository
+from backends.sim.repository import (
+    ENGINE_MODEL,
+    MODEL_NAME,
+    ModelSettings,
+    engine_dir,
+    write_repository,
+)
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
@@ -181,7 +189,7 @@ def start(spec: ReplicaSpec, root: Path, backends: Path) -> Replica:
     workdir = root / spec.id
     workdir.mkdir(parents=True, exist_ok=True)
     replica = Replica(spec, http, grpc, metrics, workdir)
-    write_repository(workdir / "models", spec.model)
+    write_repository(workdir, spec.model)
     log = replica.log_path.open("ab")
     replica.process = subprocess.Popen(
         server_command(replica, backends),
@@ -224,27 +232,52 @@ def wait_ready(replicas: Sequence[Replica], timeout: float = 120.0) -> None:
 
 
 def stop(replica: Replica, timeout: float = 20.0) -> None:
-    """SIGTERM the server (Triton unloads models and exits), SIGKILL its group if it lingers."""
+    """Stop the replica's server and every process of its group (see :func:`stop_all`)."""
     stop_all([replica], timeout)
 
 
 def stop_all(replicas: Sequence[Replica], timeout: float = 20.0) -> None:
-    """Signal every server first, then wait: shutdowns overlap instead of queueing."""
-    running = [r.process for r in replicas if r.process is not None and r.process.poll() is None]
-    for process in running:
-        process.send_signal(signal.SIGTERM)
+    """SIGTERM every server (Triton unloads its models and exits), then wait; then make sure each
+    server's process group is empty. The Python-backend stubs are in that group: a server killed
+    with SIGKILL leaves them behind, orphaned and busy-waiting on their shared memory, so a group
+    with anything left gets SIGTERM, then SIGKILL. Shutdowns overlap instead of queueing."""
+    processes = [r.process for r in replicas if r.process is not None]
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    for process in running:
+    for process in processes:
         _reap(process, max(0.1, deadline - time.monotonic()))
 
 
 def _reap(process: subprocess.Popen[bytes], timeout: float) -> None:
+    group = process.pid  # started with start_new_session: the server leads its own group
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        _kill_group(group, signal.SIGKILL)
         process.wait(timeout=10)
+    if _group_alive(group):
+        _kill_group(group, signal.SIGTERM)
+        end = time.monotonic() + 5
+        while _group_alive(group) and time.monotonic() < end:
+            time.sleep(0.05)
+        _kill_group(group, signal.SIGKILL)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of the group is not ours to signal: it exists
+        return True
+    return True
+
+
+def _kill_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
 
 
 @contextlib.contextmanager
@@ -284,7 +317,11 @@ def config_snippet(replicas: Sequence[Replica]) -> str:
             f'http = "{r.http_url}"\n'
             f'metrics = "{r.metrics_url}"\n'
             f'model = "{MODEL_NAME}"\n'
+            f'engine_model = "{ENGINE_MODEL}"\n'
+            f'engine_dir = "{engine_dir(r.workdir)}"\n'
             f"reuse = {'true' if r.spec.model.reuse else 'false'}\n"
-            f"tokens_per_block = {r.spec.model.tokens_per_block}\n" + _pool_line(r.spec.model.reuse)
+            f"tokens_per_block = {r.spec.model.tokens_per_block}\n"
+            "max_token_bytes = 1\n"  # the stand-in's tokenizer is byte-level
+            + _pool_line(r.spec.model.reuse)
         )
     return "\n".join(blocks)

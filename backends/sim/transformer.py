@@ -18,6 +18,7 @@ The cached and the fresh path so differ only in floating-point order and roundin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,6 +45,38 @@ QK_GAIN = 2.0  # sharper attention makes the output depend on context, not only 
 LOGIT_GAIN = 1.0
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-6
+# Scores per head in one vectorized split-KV pass: bounds the temporaries of a long prefill.
+_SCORES_PER_PASS = 1 << 19
+Check = Callable[[], None]
+
+
+def make_weights(
+    *, d_model: int, n_layers: int, d_ff: int, fmt: Format, weight_bits: int, seed: int
+) -> dict[str, F64]:
+    """The random weights of a seed, rounded to ``fmt`` (int4 groups first when 4-bit)."""
+    rnd = rounder(fmt)
+    rng = np.random.Generator(np.random.PCG64(seed))
+
+    def linear(fan_in: int, fan_out: int, gain: float) -> F64:
+        w = rng.standard_normal((fan_in, fan_out)) * (gain / math.sqrt(fan_in))
+        if weight_bits == 4:
+            w = dequantize_int4(*quantize_int4(w))
+        return rnd(w)
+
+    weights = {"embed": rnd(rng.standard_normal((VOCAB_SIZE, d_model)) * EMBED_STD)}
+    for i in range(n_layers):
+        wq = linear(d_model, d_model, QK_GAIN)
+        wk = linear(d_model, d_model, QK_GAIN)
+        wv = linear(d_model, d_model, LINEAR_GAIN)
+        # One fused QKV matrix: element-wise rounding makes it identical to three GEMMs.
+        weights[f"layers.{i}.wqkv"] = np.concatenate([wq, wk, wv], axis=1)
+        weights[f"layers.{i}.wo"] = linear(d_model, d_model, LINEAR_GAIN)
+        weights[f"layers.{i}.w1"] = linear(d_model, d_ff, LINEAR_GAIN)
+        weights[f"layers.{i}.w2"] = linear(d_ff, d_model, LINEAR_GAIN)
+    # The output projection stays 16-bit, as weight-only quantization usually leaves it.
+    out = rng.standard_normal((d_model, VOCAB_SIZE)) * (LOGIT_GAIN / math.sqrt(d_model))
+    weights["wout"] = rnd(out)
+    return weights
 
 
 class Transformer:
@@ -59,33 +92,30 @@ class Transformer:
         fmt: Format,
         weight_bits: int,
         seed: int,
+        weights: Mapping[str, F64] | None = None,
     ) -> None:
+        """Weights from ``weights`` (an engine file's) or, when None, made from ``seed``."""
         if d_model % n_heads or (d_model // n_heads) % 2:
             raise ValueError("d_model must split into n_heads heads of even size")
         self.d_model, self.n_layers, self.n_heads = d_model, n_layers, n_heads
         self.head_dim = d_model // n_heads
         self.fmt: Format = fmt
         self._rnd = rounder(fmt)
-        rng = np.random.Generator(np.random.PCG64(seed))
-        self._quantize = weight_bits == 4
-
-        self.embed = self._rnd(rng.standard_normal((VOCAB_SIZE, d_model)) * EMBED_STD)
-        self.wqkv: list[F64] = []
-        self.wo: list[F64] = []
-        self.w1: list[F64] = []
-        self.w2: list[F64] = []
-        for _ in range(n_layers):
-            wq = self._linear(rng, d_model, d_model, QK_GAIN)
-            wk = self._linear(rng, d_model, d_model, QK_GAIN)
-            wv = self._linear(rng, d_model, d_model, LINEAR_GAIN)
-            # One fused QKV matrix: element-wise rounding makes it identical to three GEMMs.
-            self.wqkv.append(np.concatenate([wq, wk, wv], axis=1))
-            self.wo.append(self._linear(rng, d_model, d_model, LINEAR_GAIN))
-            self.w1.append(self._linear(rng, d_model, d_ff, LINEAR_GAIN))
-            self.w2.append(self._linear(rng, d_ff, d_model, LINEAR_GAIN))
-        # The output projection stays 16-bit, as weight-only quantization usually leaves it.
-        out = rng.standard_normal((d_model, VOCAB_SIZE)) * (LOGIT_GAIN / math.sqrt(d_model))
-        self.wout = self._rnd(out)
+        if weights is None:
+            weights = make_weights(
+                d_model=d_model,
+                n_layers=n_layers,
+                d_ff=d_ff,
+                fmt=fmt,
+                weight_bits=weight_bits,
+                seed=seed,
+            )
+        self.embed = weights["embed"]
+        self.wqkv = [weights[f"layers.{i}.wqkv"] for i in range(n_layers)]
+        self.wo = [weights[f"layers.{i}.wo"] for i in range(n_layers)]
+        self.w1 = [weights[f"layers.{i}.w1"] for i in range(n_layers)]
+        self.w2 = [weights[f"layers.{i}.w2"] for i in range(n_layers)]
+        self.wout = weights["wout"]
         half = self.head_dim // 2
         self._inv_freq = ROPE_THETA ** (-np.arange(half, dtype=np.float64) / half)
         # rotate_half(x) = concat(-x2, x1) as a gather and an exact sign flip.
@@ -93,12 +123,6 @@ class Transformer:
         self._rot_sign = np.concatenate([-np.ones(half), np.ones(half)])
         # 1/sqrt(head_dim) is applied to q before the QK^T product, as kernels fold it in.
         self._scale = 1.0 / math.sqrt(self.head_dim)
-
-    def _linear(self, rng: np.random.Generator, fan_in: int, fan_out: int, gain: float) -> F64:
-        w = rng.standard_normal((fan_in, fan_out)) * (gain / math.sqrt(fan_in))
-        if self._quantize:
-            w = dequantize_int4(*quantize_int4(w))
-        return self._rnd(w)
 
     def forward(
         self,
@@ -109,8 +133,12 @@ class Transformer:
         *,
         decode: bool,
         tokens_per_block: int,
+        check: Check | None = None,
     ) -> F64:
         """Run `tokens` at positions start.. and return the logits of the last one.
+
+        ``check`` is called between passes over the cached pages and may raise to abandon
+        the forward (the working K/V of the abandoned positions are then meaningless).
 
         The working K/V hold positions < start and receive the new tokens' K/V:
         `kt` is [layers, heads, tokens_per_block, head_dim, pages] (position b*tpb + t at
@@ -135,7 +163,7 @@ class Transformer:
             if decode:
                 o = _merge(*_paged(q, kt[layer], v[layer], start + n, self.fmt))
             else:
-                o = self._prefill_attention(q, k_new, v_new, kt[layer], v[layer], start)
+                o = self._prefill_attention(q, k_new, v_new, kt[layer], v[layer], start, check)
             att = fmt_f32(o, self.fmt, owned=True).astype(np.float64)
             h = self._rnd(h + self._rnd(att.transpose(1, 0, 2).reshape(n, d) @ self.wo[layer]))
             u = self._rnd(_rmsnorm(h) @ self.w1[layer])
@@ -153,14 +181,14 @@ class Transformer:
         return full_cos, full_sin
 
     def _prefill_attention(
-        self, q: F64, k_new: F64, v_new: F64, kt: F64, v: F64, start: int
+        self, q: F64, k_new: F64, v_new: F64, kt: F64, v: F64, start: int, check: Check | None
     ) -> F32:
         """Single pass over the chunk, merged with split-KV over a cached prefix if any."""
         k_c, v_c = k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2)
         o_c, lse_c = _single_pass(q, k_c, v_c, self.fmt)
         if start == 0:
             return o_c
-        o_pages, lse_pages = _paged(q, kt, v, start, self.fmt)
+        o_pages, lse_pages = _paged(q, kt, v, start, self.fmt, check)
         o_all = np.concatenate([o_pages, o_c[:, None]], axis=1)
         lse_all = np.concatenate([lse_pages, lse_c[..., None]], axis=-1)
         return _merge(o_all, lse_all)
@@ -207,23 +235,47 @@ def _single_pass(q: F64, k: F64, v: F64, fmt: Format) -> tuple[F32, F32]:
     return o, _lse(m, denom)
 
 
-def _paged(q: F64, kt: F64, v: F64, length: int, fmt: Format) -> tuple[F32, F32]:
+def _paged(
+    q: F64, kt: F64, v: F64, length: int, fmt: Format, check: Check | None = None
+) -> tuple[F32, F32]:
     """Split-KV over the pages holding positions < length, one partial softmax per page.
 
     Returns (o [H, pages, n, hd], lse [H, n, pages]), fp32; a partial last page is masked.
-    All pages go through one vectorized pass; scores are laid out [H, tpb, n, pages] so
-    that the per-page max and sum reduce over an outer axis, which numpy does fast.
+    Pages go through vectorized passes of at most _SCORES_PER_PASS scores per head (every
+    page's partial is computed alone, so the grouping changes no result); between passes
+    ``check`` may raise to abandon the request, as an engine stops between iterations.
     """
-    heads, tpb, hd, _ = kt.shape
+    tpb, n = kt.shape[1], q.shape[1]
     pages = -(-length // tpb)
-    s = to_f32(np.matmul(q[:, None], kt[..., :pages]))
-    s[:, length - (pages - 1) * tpb :, :, pages - 1] = -np.inf
+    group = max(1, _SCORES_PER_PASS // (tpb * n))
+    if pages <= group:
+        return _page_span(q, kt, v, 0, pages, length, fmt)
+    parts = []
+    for first in range(0, pages, group):
+        if check is not None:
+            check()
+        parts.append(_page_span(q, kt, v, first, min(first + group, pages), length, fmt))
+    return (
+        np.concatenate([o for o, _ in parts], axis=1),
+        np.concatenate([lse for _, lse in parts], axis=-1),
+    )
+
+
+def _page_span(
+    q: F64, kt: F64, v: F64, first: int, end: int, length: int, fmt: Format
+) -> tuple[F32, F32]:
+    """Partials of pages first..end; scores are laid out [H, tpb, n, pages] so that the
+    per-page max and sum reduce over an outer axis, which numpy does fast."""
+    heads, tpb, hd, _ = kt.shape
+    s = to_f32(np.matmul(q[:, None], kt[..., first:end]))
+    if end * tpb > length:  # the last page is partial: mask the positions past the end
+        s[:, length - (end - 1) * tpb :, :, end - 1 - first] = -np.inf
     m = s.max(axis=1)
     e = _exp_f32(s - m[:, None])
     denom = to_f32(e.sum(axis=1, dtype=np.float64))
     p = fmt_f32(e, fmt, owned=True)
     p_pages = np.ascontiguousarray(p.transpose(0, 3, 2, 1), dtype=np.float64)
-    pv = np.matmul(p_pages, v[:, : pages * tpb].reshape(heads, pages, tpb, hd))
+    pv = np.matmul(p_pages, v[:, first * tpb : end * tpb].reshape(heads, end - first, tpb, hd))
     o = to_f32(pv / denom.transpose(0, 2, 1).astype(np.float64)[..., None])
     return o, _lse(m, denom)
 

@@ -157,7 +157,7 @@ def _start(replica: Replica, root: Path, forwarder: _Forwarder) -> subprocess.Po
     from backends.sim.repository import write_repository
 
     replica.workdir.mkdir(parents=True, exist_ok=True)
-    write_repository(replica.workdir / "models", replica.spec.model)
+    write_repository(replica.workdir, replica.spec.model)
     command = server_command(replica, backend_directory(root / "backends"))
     # The server's output is this command's output: the container's log.
     process = subprocess.Popen(command, env=server_environment(), start_new_session=True)

@@ -6,10 +6,10 @@ for the acknowledgements of the proxies alive lately, or ``settle_s`` (one monit
 after which every proxy has seen the mark anyway), whichever comes first; wait until the replica
 holds no request from anyone (the engine's active-request gauge, so other proxies' and direct
 clients' requests count too), unload with dependents and load through the repository API, wait
-until ready, confirm that the request counter restarted at zero and the engine holds no block,
-then raise the generation: seq 0, state genesis, and a ``kvl:generations`` entry with the
-reason and the durations. A model that is not loaded at all (a reset interrupted earlier) is
-simply loaded.
+until ready, confirm that the engine model's request counter restarted at zero and the
+engine holds no block, then raise the generation: seq 0, state genesis, and a
+``kvl:generations`` entry with the reason and the durations. A model that is not loaded at
+all (a reset interrupted earlier) is simply loaded.
 
 Crash safety: the mark expires within seconds of its owner's death (no heartbeat), while the
 reset's intent stays; any proxy's monitor then takes the reset over (:meth:`Resetter.recover`):

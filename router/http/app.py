@@ -66,6 +66,8 @@ def triton_backends(settings: Settings, http: aiohttp.ClientSession) -> dict[str
             perf_input=r.perf_input,
             token_counts=r.token_counts,
             timeout_s=settings.limits.backend_timeout_s,
+            engine_model=r.engine_model,
+            engine_dir=r.engine_dir,
         )
         if r.transport == "http":
             backends[r.id] = TritonHttpBackend(target, r.http, http)

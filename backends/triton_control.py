@@ -1,0 +1,218 @@
+"""The management side of a Triton replica: readiness, model control, counters, engine digest.
+
+Model control (unload, load), statistics and configs go over the replica's gRPC channel; the
+metrics page (TensorRT-LLM's gauges) over HTTP. Counters and the reset use the *engine model*
+(``tensorrt_llm``), the one every path to the KV cache goes through (see :mod:`backends.triton`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from tritonclient.utils import InferenceServerException
+
+from backends.base import BackendFailed, BackendUnavailable, ReplicaCounters
+from backends.engine_dir import EngineDir, max_input_len
+
+if TYPE_CHECKING:
+    import tritonclient.grpc.aio as grpcaio
+
+    from backends.triton import TritonTarget
+
+_KV = "nv_trt_llm_kv_cache_block_metrics"
+
+
+def _without_paths(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A model config without its path parameters (gpt_model_path, tokenizer_dir, ...): where
+    files are does not change what they are, and identical replicas must share a digest."""
+    params = config.get("parameters") or {}
+    kept = {k: v for k, v in params.items() if not k.lower().endswith(("_path", "_dir"))}
+    return {**config, "parameters": kept}
+
+
+def _reuse(config: Mapping[str, Any]) -> bool:
+    value = ((config.get("parameters") or {}).get("enable_kv_cache_reuse") or {}).get(
+        "string_value", ""
+    )
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
+def parse_metrics(page: str) -> dict[str, float]:
+    """A Prometheus text page as ``{'family{labels}': value}``."""
+    values: dict[str, float] = {}
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                continue
+    return values
+
+
+def sample(values: dict[str, float], family: str, label: str) -> float:
+    """Sum of a family's samples whose labels contain ``label``, e.g. ``general_type="x"``."""
+    prefix = family + "{"
+    return sum(v for k, v in values.items() if k.startswith(prefix) and label in k)
+
+
+class TritonControl:
+    """Readiness, unload and load, statistics, metrics and the engine digest of one replica."""
+
+    def __init__(
+        self,
+        target: TritonTarget,
+        client: grpcaio.InferenceServerClient,
+        http: aiohttp.ClientSession,
+    ) -> None:
+        self.target = target
+        self.replica_id = target.replica_id
+        self._client = client
+        self._http = http
+        self._engine = EngineDir(target.replica_id)
+        self._gpt_model_path: str | None = None  # as the engine model's config last said
+        self._last_count: int | None = None
+
+    async def ready(self) -> bool:
+        try:
+            timeout = self.target.timeout_s
+            live = await self._client.is_server_ready(client_timeout=timeout)
+            model_ready = await self._client.is_model_ready(
+                self.target.model, client_timeout=timeout
+            )
+        except InferenceServerException:
+            return False
+        return bool(live and model_ready)
+
+    async def unload(self) -> None:
+        await self._call(self._client.unload_model(self.target.model, unload_dependents=True))
+
+    async def load(self) -> None:
+        await self._call(self._client.load_model(self.target.model))
+
+    async def reset(self) -> None:
+        """Unload (returns at once), wait until the model and its engine model are gone (a load
+        issued while one is still UNLOADING may keep it), then load (blocks till ready). A model
+        that is not loaded (an earlier reset was interrupted) is only loaded."""
+        if await self.model_state() in ("READY", "UNLOADING", "LOADING"):
+            await self.unload()
+        self._engine.stale()
+        for _ in range(1200):
+            states = await self.model_states()
+            names = (self.target.model, self.target.engine_model)
+            if all(states.get(name) not in ("READY", "UNLOADING") for name in names):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise BackendFailed(self.replica_id, "model did not finish unloading in 60 s")
+        await self.load()
+
+    async def model_states(self) -> dict[str, str]:
+        """Each model's state in the repository index: READY, UNLOADING, UNAVAILABLE, ..."""
+        index = await self._call(self._client.get_model_repository_index(as_json=True))
+        return {
+            str(m.get("name")): str(m.get("state", "UNAVAILABLE")) for m in index.get("models", [])
+        }
+
+    async def model_state(self) -> str:
+        """The served model's state in the repository index."""
+        return (await self.model_states()).get(self.target.model, "UNAVAILABLE")
+
+    async def engine_digest(self) -> str:
+        """Server name and version; the configs of the served model and every model it is
+        composed of (path parameters left out); the engine files' checksum; the reuse flag."""
+        server = await self._call(self._client.get_server_metadata(as_json=True))
+        configs = await self._model_configs()
+        engine_config = configs.get(self.target.engine_model, {})
+        material = {
+            "server": {"name": server.get("name"), "version": server.get("version")},
+            "model": self.target.model,
+            "configs": {name: _without_paths(config) for name, config in configs.items()},
+            "engine_files": await self._engine.checksum(self._engine_path(engine_config)),
+            "kv_cache_reuse": _reuse(engine_config),
+        }
+        return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+    async def max_input_len(self) -> int | None:
+        """The engine's ``max_input_len`` (its config.json), or None when it cannot be read.
+        Cached until the engine is seen reloaded: cheap enough to ask per request."""
+        path = self.target.engine_dir or self._gpt_model_path
+        if path is None:
+            path = self._engine_path(await self._model_config(self.target.engine_model))
+        config = await self._engine.config(path)
+        return max_input_len(config) if config is not None else None
+
+    def _engine_path(self, engine_config: Mapping[str, Any]) -> str:
+        if self.target.engine_dir:
+            return self.target.engine_dir
+        param = (engine_config.get("parameters") or {}).get("gpt_model_path") or {}
+        self._gpt_model_path = str(param.get("string_value", ""))
+        return self._gpt_model_path
+
+    async def _model_config(self, name: str) -> dict[str, Any]:
+        config = await self._call(self._client.get_model_config(name, as_json=True))
+        return dict(config.get("config", config))
+
+    async def _model_configs(self) -> dict[str, dict[str, Any]]:
+        """The served model's config and, through ensemble steps, its composing models'."""
+        configs: dict[str, dict[str, Any]] = {}
+        pending = [self.target.model, self.target.engine_model]
+        while pending:
+            name = pending.pop()
+            if name in configs:
+                continue
+            configs[name] = await self._model_config(name)
+            steps = (configs[name].get("ensemble_scheduling") or {}).get("step") or []
+            pending.extend(str(step["model_name"]) for step in steps)
+        return configs
+
+    async def request_count(self) -> int:
+        """Triton's count of requests the engine model took since it was loaded."""
+        stats = await self._call(
+            self._client.get_inference_statistics(self.target.engine_model, as_json=True)
+        )
+        total = 0
+        for model in stats.get("model_stats", []):
+            inference = model.get("inference_stats", {})
+            total += int(inference.get("success", {}).get("count", 0))
+            total += int(inference.get("fail", {}).get("count", 0))
+        return total
+
+    async def counters(self) -> ReplicaCounters:
+        if not await self.ready():
+            self._last_count = None
+            return ReplicaCounters(ready=False)
+        count = await self.request_count()
+        if self._last_count is None or count < self._last_count:
+            # First sight, back from not ready, or reloaded: its engine files may be new.
+            self._engine.stale()
+        self._last_count = count
+        page = await self.scrape()
+        return ReplicaCounters(
+            ready=True,
+            request_count=count,
+            iteration_counter=sample(page, "nv_trt_llm_general_metrics", "iteration_counter"),
+            reused_blocks=sample(page, _KV, 'kv_cache_block_type="reused"'),
+            active=sample(page, "nv_trt_llm_request_metrics", 'request_type="active"'),
+            used_blocks=sample(page, _KV, 'kv_cache_block_type="used"'),
+            metrics=page,
+        )
+
+    async def scrape(self) -> dict[str, float]:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.target.timeout_s)
+            async with self._http.get(self.target.metrics, timeout=timeout) as response:
+                return parse_metrics(await response.text())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise BackendUnavailable(self.replica_id, f"metrics: {exc}") from exc
+
+    async def _call(self, awaitable: Any) -> Any:
+        try:
+            return await asyncio.wait_for(awaitable, self.target.timeout_s * 6)
+        except (InferenceServerException, TimeoutError) as exc:
+            raise BackendUnavailable(self.replica_id, str(exc)) from exc
