@@ -29,6 +29,7 @@ replica refusing the input (400) :class:`BackendRejected`; anything after accept
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -102,10 +103,16 @@ class TritonHttpBackend(TritonBackend):
             response, connection = await self._pool.post(self._path, body)
         except WireError as exc:
             raise BackendUnavailable(self.replica_id, str(exc)) from exc
-        produced = released = False
+        except asyncio.CancelledError:
+            # Left before the first response (Triton sends the headers with it, so a long
+            # prefill is spent here): the connection is closed; the engine is asked to stop.
+            await self._stop(request.request_id)
+            raise
+        produced = released = failed = False
         stats: EngineStats | None = None
         try:
             if response.status != 200:
+                failed = True
                 raise self._refused(response.status, b"".join([p async for p in response.body()]))
             buffer = b""
             async for data in response.body():
@@ -124,13 +131,20 @@ class TritonHttpBackend(TritonBackend):
             released = True
             yield Chunk("", final=True, stats=stats)
         except WireError as exc:
+            failed = True
             kind = BackendFailed if produced else BackendUnavailable
             raise kind(self.replica_id, str(exc)) from exc
+        except BackendError:
+            failed = True
+            raise
         finally:
             # A stream left before its end closes its connection: Triton's next write to it
-            # fails and Triton cancels the request.
+            # fails and Triton cancels the request, but an ensemble only between its steps, so
+            # the engine model is also asked to stop (``TritonBackend._stop``).
             if not released:
                 self._pool.release(response, connection)
+                if not failed:
+                    await self._stop(request.request_id)
 
     def _event(self, event: bytes, produced: bool) -> dict[str, Any]:
         """One ``data: {...}`` event's outputs; an error event raises."""

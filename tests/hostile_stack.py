@@ -14,7 +14,7 @@ ADMIN = "admin-secret"
 def limited_replicas(replicas: Sequence[Replica], max_input_len: int = MAX_INPUT_LEN) -> str:
     """The replicas' config tables, each with its input-length limit and bytes per token."""
     tables = config_snippet(replicas).split("[[replicas]]\n")
-    limit = f"max_input_len = {max_input_len}\nmax_token_bytes = 1\n"
+    limit = f"max_input_len = {max_input_len}\n"  # max_token_bytes = 1: config_snippet says so
     return "".join(f"[[replicas]]\n{limit}{t}" for t in tables if t.strip())
 
 

@@ -28,6 +28,7 @@ from router.cli.local import ProxyProcess, create_key
 from tests.hostile_http import Answer, bearer, post_json, request_bytes, send
 from tests.ledger_view import LedgerView
 from tests.servers import RedisServer
+from tests.triton_helpers import engine_stop
 
 BACKEND_TIMEOUT_S = 1.5
 FAST_HEALTH = (
@@ -225,12 +226,14 @@ class Occupier:
         self.client.start_stream(callback=lambda result, error: self.tokens.put(error or result))
         inputs = [
             self._input("text_input", b"occupy " + uuid.uuid4().hex.encode(), np.object_, "BYTES"),
-            self._input("max_tokens", 100_000, np.int32, "INT32"),
+            self._input("max_tokens", 30_000, np.int32, "INT32"),  # within max_seq_len
             self._input("stream", True, np.bool_, "BOOL"),
             self._input("end_id", 126, np.int32, "INT32"),  # '~' ends it, and '~' is banned
             self._input("bad_words", b"~", np.object_, "BYTES"),
         ]
-        self.client.async_stream_infer(MODEL_NAME, inputs)
+        self.replica = replica
+        self.request_id = "occupier-" + uuid.uuid4().hex
+        self.client.async_stream_infer(MODEL_NAME, inputs, request_id=self.request_id)
         for _ in range(5):  # it is running: the engine is taken
             item = self.tokens.get(timeout=60)
             assert not isinstance(item, Exception), item
@@ -243,8 +246,11 @@ class Occupier:
         return tensor
 
     def cancel(self) -> None:
+        """Leave, as a TensorRT-LLM client must: an ensemble is cancelled only between its
+        steps, so the engine model is also told to stop the request."""
         self.client.stop_stream(cancel_requests=True)
         self.client.close()
+        engine_stop(self.replica, self.request_id)
 
 
 def test_replica_whose_requests_time_out_is_stalled_until_idle(

@@ -236,8 +236,12 @@ def test_abandoned_long_prompt_stops_in_the_engine(replicas: dict[str, Replica])
     before such a prefill would end."""
     redis = RedisServer()
     redis.start()
-    r3 = replicas["r3"]
+    r3 = replicas["r3"]  # reuse off: the prefill is computed, never found cached
     proxy = Proxy([r3], redis.url)
+    # r3 serves cache=off eval arms by default; here it takes production traffic.
+    proxy.config.write_text(
+        proxy.config.read_text().replace("production = false", "production = true")
+    )
     proxy.start()
     try:
         key = proxy.create_key("leaver")
