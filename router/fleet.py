@@ -69,8 +69,11 @@ class ReplicaState:
 
     @property
     def takes_production(self) -> bool:
+        # generation 0: the monitor has not yet synced the replica with the ledger, so its
+        # requests would carry a generation that is not the chain's (and be recorded stale).
         return (
             self.production
+            and self.generation > 0
             and self.healthy
             and not self.draining
             and not self.paused

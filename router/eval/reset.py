@@ -155,7 +155,7 @@ class Resetter:
         try:
             counters = await self._ready(replica)
             digest = await replica.backend.engine_digest()
-            await self._generation(
+            head = await self._generation(
                 replica.id,
                 digest,
                 reason,
@@ -163,6 +163,7 @@ class Resetter:
                 proven_empty=empty(counters),
                 counter=counters.request_count,
             )
+            replica.generation, replica.engine_digest = head.generation, digest
         except (BackendError, ResetFailed) as exc:
             _log.error("reset_recovery_failed", replica=replica.id, error=str(exc))
         finally:
