@@ -97,11 +97,12 @@ def trivial_triton(root: Path) -> Iterator[Replica]:
 
 
 def replica_toml(replica: Replica, transport: str | None) -> str:
+    """The trivial model is its own engine model: it has no ``tensorrt_llm`` behind it."""
     line = f'transport = "{transport}"\n' if transport else ""
     return (
         f'[[replicas]]\nid = "{replica.id}"\ngrpc = "{replica.grpc_url}"\n'
         f'http = "{replica.http_url}"\nmetrics = "{replica.metrics_url}"\n'
-        f'model = "{MODEL}"\n{line}'
+        f'model = "{MODEL}"\nengine_model = "{MODEL}"\n{line}'
     )
 
 
