@@ -67,6 +67,7 @@ class RedisServer:
                         return
             except OSError:
                 time.sleep(0.05)
+        self.stop()
         raise LocalError(f"redis-server did not answer on port {self.port}")
 
     def stop(self) -> None:
@@ -167,6 +168,7 @@ class ProxyProcess:
                     return
             except (urllib.error.URLError, OSError):
                 time.sleep(0.1)
+        self.stop()  # a caller that gets the error has no process to stop
         raise LocalError("the proxy did not become ready:\n" + self.log[-3000:])
 
     def stop(self, timeout_s: float = 30) -> None:
