@@ -213,6 +213,10 @@ class TritonControl:
 
     async def _call(self, awaitable: Any) -> Any:
         try:
-            return await asyncio.wait_for(awaitable, self.target.timeout_s * 6)
+            # Not asyncio.wait_for: in Python 3.11 it returns the call's result (or its error)
+            # instead of the cancellation when both arrive together, and the monitor, cancelled
+            # at shutdown, went on ticking forever (the proxy never exited on SIGTERM).
+            async with asyncio.timeout(self.target.timeout_s * 6):
+                return await awaitable
         except (InferenceServerException, TimeoutError) as exc:
             raise BackendUnavailable(self.replica_id, str(exc)) from exc

@@ -66,8 +66,13 @@ class Monitor:
         self._pending: dict[str, str] = {}
 
     async def run(self) -> None:
+        task = asyncio.current_task()
         while True:
             await self.tick()
+            if task is not None and task.cancelling():
+                # A cancellation that a library turned into a result or an error inside the
+                # tick still ends the loop: shutdown must never wait on a monitor that goes on.
+                raise asyncio.CancelledError
             await asyncio.sleep(self.interval_s)
 
     async def tick(self) -> None:

@@ -170,3 +170,34 @@ async def test_key_cache_is_bounded_and_misses_expire(redis_server: RedisServer)
 def test_key_hash_takes_undecodable_bytes() -> None:
     """A key holding an undecodable header byte hashes instead of raising."""
     assert len(key_hash("bad\udcff")) == 64
+
+
+def test_a_monitor_whose_tick_swallowed_its_cancellation_still_stops() -> None:
+    """Shutdown cancels the monitor; when a library inside a tick turns that cancellation into a
+    result (Python 3.11's ``asyncio.wait_for`` does when both arrive together), the monitor
+    still ends after the tick instead of ticking on, and the proxy exits on SIGTERM."""
+    from router.fleet import Fleet
+    from router.monitor import Monitor
+
+    entered = asyncio.Event()
+    swallowed: list[bool] = []
+
+    async def swallowing_hook() -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(True)  # once, as the race does: the cancellation becomes a return
+
+    async def scenario() -> bool:
+        monitor = Monitor(Fleet({}), None, 0.01, hook=swallowing_hook)  # type: ignore[arg-type]
+        task = asyncio.create_task(monitor.run())
+        await entered.wait()
+        task.cancel()
+        async with asyncio.timeout(5):  # without the guard it ticks on and this times out
+            await asyncio.gather(task, return_exceptions=True)
+        return task.cancelled()
+
+    assert asyncio.run(scenario())

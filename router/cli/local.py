@@ -172,9 +172,18 @@ class ProxyProcess:
         raise LocalError("the proxy did not become ready:\n" + self.log[-3000:])
 
     def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM and wait; a proxy that does not exit in time is killed, then reported."""
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(timeout=timeout_s)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise LocalError(
+                    f"the proxy did not exit within {timeout_s:g} s of SIGTERM (killed):\n"
+                    + self.log[-3000:]
+                ) from None
 
 
 def create_key(redis_url: str, name: str, *, replace: bool = False, **profile: Any) -> str:

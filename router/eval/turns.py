@@ -58,8 +58,11 @@ class TurnKeeper:
                         f" {run}; its requests are served one at a time",
                         headers={"Retry-After": "5", "X-Kvl-Run": run},
                     )
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation
+                # that arrives as the wait ends, and this request would go on without its client.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._released[replica].wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await self._released[replica].wait()
                 delay = min(delay * 2, 0.05)
         except BaseException:
             with contextlib.suppress(LedgerError):
