@@ -113,8 +113,15 @@ class ReplicaCounters:
     iteration_counter: float = 0.0
     reused_blocks: float = 0.0
     active: float = 0.0  # requests the engine holds now (queued or running), from any client
-    used_blocks: float = 0.0  # KV-cache blocks in use now (cached or held by a request)
+    # KV-cache blocks in use now (cached or held by a request); None when the metrics page has
+    # no such gauge: then nothing proves the cache empty.
+    used_blocks: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def proven_empty(self) -> bool:
+        """No request since the model was loaded, and the engine's gauge says no block in use."""
+        return self.ready and self.request_count == 0 and self.used_blocks == 0
 
 
 class Backend(Protocol):

@@ -57,8 +57,14 @@ def parse_metrics(page: str) -> dict[str, float]:
 
 def sample(values: dict[str, float], family: str, label: str) -> float:
     """Sum of a family's samples whose labels contain ``label``, e.g. ``general_type="x"``."""
+    return found_sample(values, family, label) or 0.0
+
+
+def found_sample(values: dict[str, float], family: str, label: str) -> float | None:
+    """Like :func:`sample`, but None when the page has no such sample at all."""
     prefix = family + "{"
-    return sum(v for k, v in values.items() if k.startswith(prefix) and label in k)
+    found = [v for k, v in values.items() if k.startswith(prefix) and label in k]
+    return sum(found) if found else None
 
 
 class TritonControl:
@@ -199,7 +205,7 @@ class TritonControl:
             iteration_counter=sample(page, "nv_trt_llm_general_metrics", "iteration_counter"),
             reused_blocks=sample(page, _KV, 'kv_cache_block_type="reused"'),
             active=sample(page, "nv_trt_llm_request_metrics", 'request_type="active"'),
-            used_blocks=sample(page, _KV, 'kv_cache_block_type="used"'),
+            used_blocks=found_sample(page, _KV, 'kv_cache_block_type="used"'),
             metrics=page,
         )
 

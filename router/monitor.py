@@ -130,7 +130,7 @@ class Monitor:
         """
         digest = await replica.backend.engine_digest()
         replica.engine_max_input_len = await replica.backend.max_input_len() or 0
-        empty = counters.request_count == 0 and counters.used_blocks == 0
+        empty = counters.proven_empty
         count = counters.request_count
         head = await self.ledger.ensure_replica(
             replica.id, digest, proven_empty=empty, counter=count

@@ -101,3 +101,25 @@ def test_parse_stats_reads_json_bodies_too() -> None:
     assert parse_stats(body) == EngineStats(reused_blocks=3, input_tokens=12)
     assert parse_stats({"text_output": "x"}) is None
     assert text_of(body) == "hi" and text_of({}) == ""
+
+
+def test_a_metrics_page_without_the_used_blocks_gauge_proves_no_cache_empty() -> None:
+    """A replica whose page lacks TensorRT-LLM's block gauge (another engine, a wrong metrics
+    URL) has an unknown number of blocks in use, so a zero request counter alone never makes
+    its first state genesis nor a reset verified; with the gauge at 0 it does."""
+    from backends.base import ReplicaCounters
+    from backends.triton_control import found_sample, parse_metrics
+
+    family, used = "nv_trt_llm_kv_cache_block_metrics", 'kv_cache_block_type="used"'
+    bare = parse_metrics('nv_inference_count{model="ensemble",version="1"} 0\n')
+    gauge = parse_metrics(
+        f'{family}{{kv_cache_block_type="used",model="tensorrt_llm",version="1"}} 0\n'
+        f'{family}{{kv_cache_block_type="free",model="tensorrt_llm",version="1"}} 64\n'
+    )
+    assert found_sample(bare, family, used) is None
+    assert found_sample(gauge, family, used) == 0
+    unknown = ReplicaCounters(ready=True, request_count=0, used_blocks=None)
+    assert not unknown.proven_empty
+    assert ReplicaCounters(ready=True, request_count=0, used_blocks=0.0).proven_empty
+    assert not ReplicaCounters(ready=True, request_count=1, used_blocks=0.0).proven_empty
+    assert not ReplicaCounters(ready=True, request_count=0, used_blocks=3.0).proven_empty

@@ -62,9 +62,18 @@ class ResetReport:
         }
 
 
-def empty(counters: ReplicaCounters) -> bool:
-    """Proven empty: no request since the model was loaded, and no block in the engine."""
-    return counters.ready and counters.request_count == 0 and counters.used_blocks == 0
+def _not_empty(counters: ReplicaCounters) -> str:
+    if counters.used_blocks is None:
+        return (
+            f"after the reload the request counter reads {counters.request_count}, and the"
+            " metrics page has no used-blocks gauge (nv_trt_llm_kv_cache_block_metrics):"
+            " nothing proves its cache empty"
+        )
+    return (
+        f"after the reload the request counter reads {counters.request_count} and"
+        f" {counters.used_blocks:g} block(s) are in use, not 0 and 0: the model was not"
+        " reloaded, so its cache may not be empty"
+    )
 
 
 async def wait_idle(replica: ReplicaState, settle_s: float, timeout_s: float) -> float:
@@ -160,7 +169,7 @@ class Resetter:
                 digest,
                 reason,
                 {},
-                proven_empty=empty(counters),
+                proven_empty=counters.proven_empty,
                 counter=counters.request_count,
             )
             replica.generation, replica.engine_digest = head.generation, digest
@@ -249,12 +258,8 @@ class Resetter:
         except BackendError as exc:
             raise ResetFailed(f"replica {replica.id}: {exc.detail}") from exc
         counters = await self._ready(replica)
-        if not empty(counters):
-            raise ResetFailed(
-                f"replica {replica.id}: after the reload the request counter reads"
-                f" {counters.request_count} and {counters.used_blocks:g} block(s) are in use, not"
-                " 0 and 0: the model was not reloaded, so its cache may not be empty"
-            )
+        if not counters.proven_empty:
+            raise ResetFailed(f"replica {replica.id}: {_not_empty(counters)}")
         try:
             return await replica.backend.engine_digest()
         except BackendError as exc:
