@@ -63,13 +63,12 @@ def test_prompt_is_refused_only_when_certainly_too_long(
     prompt: str, limits: list[tuple[int, int]], refused: bool
 ) -> None:
     """More UTF-8 bytes than max_input_len * max_token_bytes on every replica: refused."""
-    replicas = [replica(n, b) for n, b in limits]
     if refused:
         with pytest.raises(PromptTooLong) as caught:
-            check_prompt_length("m", prompt, replicas, "prompt")
+            check_prompt_length("m", prompt, limits, "prompt")
         assert caught.value.param == "prompt" and caught.value.code == "context_length_exceeded"
     else:
-        check_prompt_length("m", prompt, replicas, "prompt")
+        check_prompt_length("m", prompt, limits, "prompt")
 
 
 class _Backend:

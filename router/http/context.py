@@ -11,7 +11,6 @@ episode label printable UTF-8 text. A body that cannot be read or decoded
 from __future__ import annotations
 
 import secrets
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -132,10 +131,8 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 def check_prompt(request: web.Request, parsed: Parsed, param: str) -> None:
     """400 before any replica sees a prompt that is certainly too long for the model."""
     # The config's max_input_len, else the one the monitor read from the engine's own config.
-    replicas = [
-        r.settings
-        if r.settings.max_input_len
-        else replace(r.settings, max_input_len=r.engine_max_input_len)
+    limits = [
+        (r.settings.max_input_len or r.engine_max_input_len, r.settings.max_token_bytes)
         for r in request.app[FLEET].serving(parsed.model)
     ]
-    check_prompt_length(parsed.model, parsed.request.prompt, replicas, param)
+    check_prompt_length(parsed.model, parsed.request.prompt, limits, param)

@@ -15,7 +15,7 @@ import orjson
 from backends.base import GenerationRequest
 from router.errors import BadRequest, PromptTooLong
 from router.flight import Parsed
-from router.settings import ChatTemplate, ReplicaSettings
+from router.settings import ChatTemplate
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -131,9 +131,11 @@ def render_chat(messages: Any, template: ChatTemplate) -> str:
 
 
 def check_prompt_length(
-    model: str, prompt: str, replicas: Sequence[ReplicaSettings], param: str
+    model: str, prompt: str, limits: Sequence[tuple[int, int]], param: str
 ) -> None:
     """PromptTooLong when ``prompt`` certainly has more tokens than any replica of ``model`` takes.
+
+    ``limits``: each replica's ``(max_input_len, max_token_bytes)``.
 
     The proxy cannot tokenize for the engine, so it refuses only what it is sure of: a replica
     whose tokenizer maps at most ``max_token_bytes`` UTF-8 bytes to one token turns B bytes into
@@ -141,10 +143,10 @@ def check_prompt_length(
     whatever the text (the stand-in's tokenizer is byte-level: one token per byte). A replica
     with either figure unknown (0) decides for itself, at admission.
     """
-    if not replicas or any(r.max_input_len * r.max_token_bytes == 0 for r in replicas):
+    if not limits or any(tokens * width == 0 for tokens, width in limits):
         return
-    widest = max(replicas, key=lambda r: r.max_input_len * r.max_token_bytes)
-    limit = widest.max_input_len * widest.max_token_bytes
+    max_input_len, max_token_bytes = max(limits, key=lambda pair: pair[0] * pair[1])
+    limit = max_input_len * max_token_bytes
     # Length in characters bounds the UTF-8 size from both sides: skip the encode when it can.
     if len(prompt) * 4 <= limit:
         return
@@ -152,7 +154,7 @@ def check_prompt_length(
     if size > limit:
         raise PromptTooLong(
             f"'{param}' is too long for model '{model}': {size} UTF-8 bytes are certainly more"
-            f" than its {widest.max_input_len} input tokens (at most {widest.max_token_bytes}"
+            f" than its {max_input_len} input tokens (at most {max_token_bytes}"
             " bytes per token); shorten it",
             param=param,
         )
