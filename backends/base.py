@@ -133,12 +133,13 @@ class Backend(Protocol):
         """Yield the output as it is produced; cancelling the iteration cancels the request."""
         ...
 
-    async def reset(self) -> None:
-        """Empty the replica's KV cache (for TensorRT-LLM: unload and load the model)."""
+    async def reset(self, timeout_s: float) -> None:
+        """Empty the replica's KV cache (for TensorRT-LLM: unload and load the model), within
+        ``timeout_s`` or BackendError saying which step did not finish."""
         ...
 
-    async def load(self) -> None:
-        """Load the model (blocks until it is ready or failed)."""
+    async def load(self, timeout_s: float) -> None:
+        """Load the model (blocks until it is ready or failed, at most ``timeout_s``)."""
         ...
 
     async def model_state(self) -> str:

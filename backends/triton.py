@@ -260,11 +260,11 @@ class TritonBackend:
     async def ready(self) -> bool:
         return await self.control.ready()
 
-    async def reset(self) -> None:
-        await self.control.reset()
+    async def reset(self, timeout_s: float) -> None:
+        await self.control.reset(timeout_s)
 
-    async def load(self) -> None:
-        await self.control.load()
+    async def load(self, timeout_s: float) -> None:
+        await self.control.load(timeout_s)
 
     async def model_state(self) -> str:
         return await self.control.model_state()

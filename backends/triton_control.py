@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -98,25 +99,35 @@ class TritonControl:
     async def unload(self) -> None:
         await self._call(self._client.unload_model(self.target.model, unload_dependents=True))
 
-    async def load(self) -> None:
-        await self._call(self._client.load_model(self.target.model))
+    async def load(self, timeout_s: float) -> None:
+        await self._call(self._client.load_model(self.target.model), timeout_s)
 
-    async def reset(self) -> None:
+    async def reset(self, timeout_s: float) -> None:
         """Unload (returns at once), wait until the model and its engine model are gone (a load
-        issued while one is still UNLOADING may keep it), then load (blocks till ready). A model
-        that is not loaded (an earlier reset was interrupted) is only loaded."""
+        issued while one is still UNLOADING may keep it), then load (blocks till ready), all
+        within ``timeout_s``. A model that is not loaded (an earlier reset was interrupted) is
+        only loaded."""
+        deadline = time.monotonic() + timeout_s
         if await self.model_state() in ("READY", "UNLOADING", "LOADING"):
             await self.unload()
         self._engine.stale()
-        for _ in range(1200):
+        names = (self.target.model, self.target.engine_model)
+        while True:
             states = await self.model_states()
-            names = (self.target.model, self.target.engine_model)
-            if all(states.get(name) not in ("READY", "UNLOADING") for name in names):
+            held = {name: states.get(name) for name in names}
+            if all(state not in ("READY", "UNLOADING") for state in held.values()):
                 break
+            if time.monotonic() > deadline:
+                raise BackendFailed(
+                    self.replica_id,
+                    f"the model did not finish unloading in {timeout_s:g} s ({_states(held)})",
+                )
             await asyncio.sleep(0.05)
-        else:
-            raise BackendFailed(self.replica_id, "model did not finish unloading in 60 s")
-        await self.load()
+        left = deadline - time.monotonic()
+        try:
+            await self.load(max(left, 1.0))
+        except BackendUnavailable as exc:
+            raise BackendUnavailable(self.replica_id, f"loading the model: {exc.detail}") from exc
 
     async def model_states(self) -> dict[str, str]:
         """Each model's state in the repository index: READY, UNLOADING, UNAVAILABLE, ..."""
@@ -217,12 +228,21 @@ class TritonControl:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise BackendUnavailable(self.replica_id, f"metrics: {exc}") from exc
 
-    async def _call(self, awaitable: Any) -> Any:
+    async def _call(self, awaitable: Any, timeout_s: float | None = None) -> Any:
+        """The call's result; BackendUnavailable when Triton refuses it or it takes longer than
+        ``timeout_s`` (six health timeouts unless given)."""
+        limit = self.target.timeout_s * 6 if timeout_s is None else timeout_s
         try:
             # Not asyncio.wait_for: in Python 3.11 it returns the call's result (or its error)
             # instead of the cancellation when both arrive together, and the monitor, cancelled
             # at shutdown, went on ticking forever (the proxy never exited on SIGTERM).
-            async with asyncio.timeout(self.target.timeout_s * 6):
+            async with asyncio.timeout(limit):
                 return await awaitable
-        except (InferenceServerException, TimeoutError) as exc:
+        except TimeoutError as exc:
+            raise BackendUnavailable(self.replica_id, f"no answer within {limit:g} s") from exc
+        except InferenceServerException as exc:
             raise BackendUnavailable(self.replica_id, str(exc)) from exc
+
+
+def _states(states: Mapping[str, str | None]) -> str:
+    return ", ".join(f"{name} {state or 'UNAVAILABLE'}" for name, state in states.items())

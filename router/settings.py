@@ -102,6 +102,7 @@ class EvalSettings:
 
     min_production_replicas: int = 1  # per model, never leased to runs
     drain_timeout_s: float = 60.0  # a reset waits this long for in-flight requests
+    reload_timeout_s: float = 300.0  # a reset's unload and load take at most this long
     turn_ttl_s: float = 30.0  # a crashed proxy's turn is given up after this
     queue_timeout_s: float = 300.0  # a request waits this long for its turn, then 503
     continuity_wait_s: float = 2.0  # for the replica's counter to show the request

@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from backends.sim.launcher import Replica, ReplicaSpec, launch
 from backends.sim.repository import ModelSettings
+from router.cli.local import ProxyProcess
 from tests.servers import RedisServer
+
+LOG_LINES = 40
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    """A failed test's report carries the end of the log of every proxy still running or
+    written to during the test: what a proxy did while the test waited is often the only clue
+    (in CI, the only one)."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for proxy in list(ProxyProcess.recent):
+        try:
+            written = proxy.log_path.stat().st_mtime
+        except OSError:
+            continue
+        if proxy.running or written >= call.start:
+            tail = "\n".join(proxy.log.splitlines()[-LOG_LINES:])
+            report.sections.append((f"proxy {proxy.url} log, last {LOG_LINES} lines", tail))
 
 
 @pytest.fixture

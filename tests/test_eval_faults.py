@@ -218,3 +218,35 @@ def test_an_idle_run_ends_by_itself_and_the_next_request_begins_another(
     second = complete(sdk, "hello again")[1]["x-kvl-run"]
     assert second != first
     end(proxy, second)
+
+
+def test_a_reset_that_cannot_reload_in_time_fails_and_names_the_step(
+    redis_server: RedisServer,
+) -> None:
+    """A reset whose unload and load outlast ``[eval] reload_timeout_s`` answers 503 with the
+    step and the limit instead of holding its caller; the replica, loaded by Triton anyway,
+    serves again under a new generation."""
+    with launch([ReplicaSpec("slow1")]) as (replica,):
+        extra = "\n[eval]\nreload_timeout_s = 0.2\n"
+        proxy = Proxy([replica], redis_server.url, extra=extra)
+        proxy.start()
+        try:
+            prod = client(proxy, proxy.create_key("prod-slow"))
+            before = complete(prod, "before the reset")[2]["generation"]
+            began = time.monotonic()
+            status, body = admin(proxy, "POST", "/admin/replicas/slow1/reset")
+            assert status == 503, body
+            message = body["error"]["message"]
+            assert message.startswith("reset failed: replica slow1") and "0.2 s" in message
+            assert time.monotonic() - began < 30
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    record = complete(prod, "after the failed reset")[2]
+                    break
+                except openai.APIStatusError:
+                    assert time.monotonic() < deadline, "the replica never served again"
+                    time.sleep(0.5)
+            assert record["replica"] == "slow1" and record["generation"] > before
+        finally:
+            proxy.stop()

@@ -96,6 +96,23 @@ async def test_a_reset_whose_owner_died_is_found_and_taken_over(turns: Turns) ->
     )
 
 
+async def test_a_failed_reset_leaves_its_intent_for_recovery_and_refuses_new_resets(
+    turns: Turns,
+) -> None:
+    """A reset that failed with the model touched drops its mark but keeps its intent, saying
+    why and without its run (its owner fails that): a monitor finds it at once, and a new reset
+    is refused with the reason until the recovery ends it."""
+    assert await turns.begin_reset("r1", "proxy-a", 10_000, run="a.1", started="now") == ""
+    await turns.leave_reset("r1", "proxy-a", "unload took too long")
+    assert await turns.orphaned_resets(["r1"]) == ["r1"]
+    assert await turns.begin_reset("r1", "proxy-b", 100, started="now") == "!unload took too long"
+    intent = await turns.take_over_reset("r1", "proxy-b", 10_000)
+    assert intent["failed"] == "unload took too long" and intent["run"] == ""
+    await turns.end_reset("r1", "proxy-b")
+    assert await turns.orphaned_resets(["r1"]) == []
+    assert await turns.begin_reset("r1", "proxy-b", 100, started="now") == ""
+
+
 async def test_a_heartbeat_reports_the_claim_it_lost() -> None:
     """A renewal that finds the claim gone (or Redis away) is remembered for the holder."""
     answers = iter([None, "taken over"])

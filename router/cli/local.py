@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,11 @@ def proxy_config(
 
 class ProxyProcess:
     """``kvledger serve`` in its own process, with a config written into ``workdir``
-    (``kvledger.toml``, ``proxy.log``, ``spool.jsonl``); ``replicas_toml`` names the replicas."""
+    (``kvledger.toml``, ``proxy.log``, ``spool.jsonl``); ``replicas_toml`` names the replicas.
+    ``ProxyProcess.recent`` holds the last ones started (the tests show their logs when a test
+    fails)."""
+
+    recent: deque[ProxyProcess] = deque(maxlen=16)
 
     def __init__(
         self,
@@ -144,6 +149,10 @@ class ProxyProcess:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -157,6 +166,7 @@ class ProxyProcess:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=proxy_env(self.admin_token)
             )
+        ProxyProcess.recent.append(self)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -11,10 +11,14 @@ engine holds no block, then raise the generation: seq 0, state genesis, and a
 ``kvl:generations`` entry with the reason and the durations. A model that is not loaded at
 all (a reset interrupted earlier) is simply loaded.
 
+The unload and load take at most ``reload_timeout_s``; a reset that fails there (or is
+interrupted) answers at once with the step that failed and leaves its intent behind.
+
 Crash safety: the mark expires within seconds of its owner's death (no heartbeat), while the
-reset's intent stays; any proxy's monitor then takes the reset over (:meth:`Resetter.recover`):
-it loads the model if it is not ready, starts a new generation (genesis only if the cache is
-proven empty) and fails the run the reset was for, with the reason.
+reset's intent stays; any proxy's monitor then takes the reset over (:meth:`Resetter.recover`),
+as it does a failed reset's: it loads the model once it is neither unloading nor loading, starts
+a new generation (genesis only if the cache is proven empty) and fails the run the reset was
+for, with the reason; until then, new resets of the replica are refused with that reason.
 """
 
 from __future__ import annotations
@@ -110,11 +114,13 @@ class Resetter:
         *,
         settle_s: float,
         drain_timeout_s: float,
+        reload_timeout_s: float,
         heartbeat_s: float,
     ) -> None:
         self.ledger, self.turns, self.notices, self.owner = ledger, turns, notices, owner
         self.settle_s = settle_s
         self.drain_timeout_s = drain_timeout_s
+        self.reload_timeout_s = reload_timeout_s
         self.heartbeat_s = heartbeat_s
 
     @property
@@ -127,12 +133,19 @@ class Resetter:
         replica.reset_here = True
         try:
             mark = await self._mark(replica.id, reason, run)
+            unfinished: str | None = None  # why the model may be left unloaded
             try:
                 async with heartbeat(lambda: self._beat(replica.id), self.heartbeat_s) as beat:
                     acked = await self._acknowledged(replica.id, mark)
                     waited = acked + await wait_idle(replica, 0.0, self.drain_timeout_s)
                     reloaded = time.perf_counter()
-                    digest = await self._reload(replica)
+                    unfinished = "the reset was interrupted while reloading the model"
+                    try:
+                        digest = await self._reload(replica)
+                    except ResetFailed as exc:
+                        unfinished = exc.message
+                        raise
+                    unfinished = None
                     reload_s = time.perf_counter() - reloaded
                 if beat.lost is not None:
                     raise ResetFailed(f"replica {replica.id}: the reset lost its mark: {beat.lost}")
@@ -141,7 +154,7 @@ class Resetter:
                     replica.id, digest, reason, details, proven_empty=True
                 )
             finally:
-                await asyncio.shield(self._unmark(replica.id))
+                await asyncio.shield(self._unmark(replica.id, unfinished))
         finally:
             replica.reset_here = False
             replica.resetting = False  # our own mark, just removed: no need to wait for a tick
@@ -153,16 +166,19 @@ class Resetter:
         return ResetReport(replica.id, head.generation, head.state, waited, reload_s, total)
 
     async def recover(self, replica: ReplicaState) -> str | None:
-        """Finish a reset whose owner died: None when there was none to take over; else the run
-        it was for ('' for none), which the caller fails."""
+        """Finish a reset whose owner died or failed with the model touched: None when there
+        was none to take over; else the run it was for ('' for none), which the caller fails.
+        A model still unloading or loading, or one that does not load, is tried again at the
+        next tick."""
         intent = await self.turns.take_over_reset(replica.id, self.owner, self._ttl_ms)
         if not intent:
             return None
-        dead = intent.get("dead_owner", "?")
-        _log.warning("reset_recovering", replica=replica.id, dead_owner=dead)
-        reason = f"verified reset interrupted (its proxy {dead} died); model loaded again"
+        why = intent.get("failed") or f"its proxy {intent.get('dead_owner', '?')} died"
+        _log.warning("reset_recovering", replica=replica.id, why=why)
+        reason = f"verified reset unfinished ({why}); model loaded again"
+        left: str | None = None
         try:
-            counters = await self._ready(replica)
+            counters = await self._ready(replica, waiting_ok=True)
             digest = await replica.backend.engine_digest()
             head = await self._generation(
                 replica.id,
@@ -174,9 +190,10 @@ class Resetter:
             )
             replica.generation, replica.engine_digest = head.generation, digest
         except (BackendError, ResetFailed) as exc:
-            _log.error("reset_recovery_failed", replica=replica.id, error=str(exc))
+            left = why
+            _log.warning("reset_recovery_retried", replica=replica.id, why=why, error=str(exc))
         finally:
-            await asyncio.shield(self._unmark(replica.id))
+            await asyncio.shield(self._unmark(replica.id, left))
         replica.counters = None
         return intent.get("run", "")
 
@@ -192,6 +209,11 @@ class Resetter:
                 await self.notices.announce(replica, mark)
         except LedgerError as exc:
             raise ResetFailed(f"cannot mark the reset in Redis: {exc}") from exc
+        if owner.startswith("!"):
+            raise ResetFailed(
+                f"replica {replica}: an earlier reset did not finish ({owner[1:]}); the monitor"
+                " is bringing the model back: retry in a few seconds"
+            )
         if owner:
             raise ResetFailed(f"replica {replica} is being reset by another proxy ({owner})")
         return mark
@@ -215,9 +237,13 @@ class Resetter:
             return None
         return "another proxy took the reset over"
 
-    async def _unmark(self, replica: str) -> None:
+    async def _unmark(self, replica: str, unfinished: str | None = None) -> None:
+        """End the reset; ``unfinished`` (why) leaves its intent for a monitor's recovery."""
         try:
-            await self.turns.end_reset(replica, self.owner)
+            if unfinished is None:
+                await self.turns.end_reset(replica, self.owner)
+            else:
+                await self.turns.leave_reset(replica, self.owner, unfinished)
         except LedgerError as exc:  # the mark expires by itself; the intent waits for recovery
             _log.warning("reset_unmark_failed", replica=replica, error=str(exc))
 
@@ -238,12 +264,16 @@ class Resetter:
         except LedgerError as exc:
             raise ResetFailed(f"reset done, but Redis did not take the generation: {exc}") from exc
 
-    async def _ready(self, replica: ReplicaState) -> ReplicaCounters:
-        """Load the model if it is not ready; its counters once it is."""
+    async def _ready(self, replica: ReplicaState, *, waiting_ok: bool = False) -> ReplicaCounters:
+        """Load the model if it is not ready; its counters once it is. With ``waiting_ok``, a
+        model still unloading or loading is left to finish (ResetFailed: try again later)."""
         backend = replica.backend
         try:
             if not await backend.ready():
-                await backend.load()
+                state = await backend.model_state()
+                if waiting_ok and state in ("UNLOADING", "LOADING"):
+                    raise ResetFailed(f"replica {replica.id}: the model is still {state}")
+                await backend.load(self.reload_timeout_s)
             counters = await backend.counters()
         except BackendError as exc:
             raise ResetFailed(f"replica {replica.id}: {exc.detail}") from exc
@@ -254,7 +284,7 @@ class Resetter:
     async def _reload(self, replica: ReplicaState) -> str:
         """Unload and load; the model must then be ready with no request and no block."""
         try:
-            await replica.backend.reset()
+            await replica.backend.reset(self.reload_timeout_s)
         except BackendError as exc:
             raise ResetFailed(f"replica {replica.id}: {exc.detail}") from exc
         counters = await self._ready(replica)

@@ -65,6 +65,7 @@ class Runs:
             owner,
             settle_s=settle_s,
             drain_timeout_s=settings.drain_timeout_s,
+            reload_timeout_s=settings.reload_timeout_s,
             heartbeat_s=heartbeat_s,
         )
         self._arm_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)

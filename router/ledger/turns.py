@@ -89,11 +89,15 @@ return 0
 """
 
 # KEYS resetting, intent. ARGV owner, ttl ms, run, reason, started. A reset begins unless one is
-# under way (returns its owner instead).
+# under way (returns its owner instead) or one left unfinished awaits recovery ('!' and why).
 BEGIN_RESET_LUA = """
 local owner = redis.call('GET', KEYS[1])
 if owner then return owner end
-if redis.call('EXISTS', KEYS[2]) == 1 then return redis.call('HGET', KEYS[2], 'owner') or '?' end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  local failed = redis.call('HGET', KEYS[2], 'failed')
+  if failed then return '!' .. failed end
+  return '!its proxy ' .. (redis.call('HGET', KEYS[2], 'owner') or '?') .. ' died'
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('HSET', KEYS[2], 'owner', ARGV[1], 'run', ARGV[3], 'reason', ARGV[4],
            'started', ARGV[5])
@@ -113,6 +117,16 @@ return redis.call('HGETALL', KEYS[2])
 END_RESET_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 if redis.call('HGET', KEYS[2], 'owner') == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
+# KEYS resetting, intent. ARGV owner, why: the reset failed after the model was touched; its
+# intent stays (without its run, which the owner fails) for the monitors' recovery.
+LEAVE_RESET_LUA = """
+if redis.call('HGET', KEYS[2], 'owner') == ARGV[1] then
+  redis.call('HSET', KEYS[2], 'failed', ARGV[2], 'run', '')
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """
 
@@ -152,6 +166,7 @@ class Turns:
         self._begin_reset = client.register_script(BEGIN_RESET_LUA)
         self._take_over = client.register_script(TAKE_OVER_LUA)
         self._end_reset = client.register_script(END_RESET_LUA)
+        self._leave_reset = client.register_script(LEAVE_RESET_LUA)
 
     # Leases ----------------------------------------------------------------------------------
 
@@ -211,7 +226,8 @@ class Turns:
         return [replica_key(replica, "resetting"), replica_key(replica, "reset")]
 
     async def begin_reset(self, replica: str, owner: str, ttl_ms: int, **intent: str) -> str:
-        """Mark a reset under way; '' when marked, else the owner of the reset under way."""
+        """Mark a reset under way; '' when marked, else the owner of the reset under way, or
+        '!' and why an earlier reset awaits recovery."""
         args: list[EncodableT] = [
             owner,
             ttl_ms,
@@ -231,6 +247,12 @@ class Turns:
     async def end_reset(self, replica: str, owner: str) -> None:
         async with redis_call("end reset", self._timeout):
             await self._end_reset(keys=self._reset_keys(replica), args=[owner])
+
+    async def leave_reset(self, replica: str, owner: str, failed: str) -> None:
+        """The reset failed with the model unloaded or reloading: drop the mark, keep the intent
+        (saying why) so that a monitor brings the model back and raises the generation."""
+        async with redis_call("leave reset", self._timeout):
+            await self._leave_reset(keys=self._reset_keys(replica), args=[owner, failed])
 
     async def orphaned_resets(self, replicas: Iterable[str]) -> list[str]:
         """Replicas whose reset intent has outlived its owner's heartbeat."""

@@ -162,6 +162,15 @@ def outputs(parsed: Parsed, tokens: list[int], result: GenerationResult) -> list
     return tensors
 
 
+def _end(job: Job, response: Any) -> None:
+    """Send a failed job's final response. If even that cannot be sent (its client is gone, its
+    sender closed), say so in the log and go on: the worker serves every later request."""
+    try:
+        job.sender.send(response, flags=FINAL)
+    except Exception as exc:  # noqa: BLE001
+        pb_utils.Logger.log_warn(f"request {job.request_id!r}: final response not sent: {exc!r}")
+
+
 class TritonPythonModel:
     """Triton's entry point: admit or refuse each request, serve them in order on one thread."""
 
@@ -242,7 +251,7 @@ class TritonPythonModel:
             try:
                 self._run(job)
             except Exception as exc:  # noqa: BLE001 - a crashed worker would hang every request
-                job.sender.send(error_response(f"Executor failed: {exc!r}"), flags=FINAL)
+                _end(job, error_response(f"Executor failed: {exc!r}"))
             finally:
                 with self.lock:
                     jobs = self.live.get(job.request_id, [])
