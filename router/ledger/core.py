@@ -20,6 +20,7 @@ Redis), ``read``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -28,11 +29,19 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
 from router.ledger.audit import Auditor, ChainAudit
 from router.ledger.chain import Advance, ChainHead, genesis
-from router.ledger.errors import LedgerUnavailable, SpoolUnavailable, UnknownReplica, redis_call
+from router.ledger.errors import (
+    REDIS_FAILURES,
+    LedgerUnavailable,
+    SpoolUnavailable,
+    UnknownReplica,
+    redis_call,
+    unavailable,
+)
 from router.ledger.read import LedgerReader
 from router.ledger.records import chain_fields, template, with_chain
 from router.ledger.schema import (
@@ -50,6 +59,7 @@ from router.ledger.schema import (
 )
 from router.ledger.scripts import Scripts
 from router.ledger.spool import Step, job_from_record
+from router.ledger.wire import Wire
 from router.ledger.writer import LedgerConfig, Writer
 
 Record = dict[str, Any]
@@ -78,6 +88,7 @@ class Ledger:
         self._cfg = config
         self._log = log
         self._scripts = Scripts(client)
+        self._wire = Wire.like(client)  # the chain step's own connection (see ``wire``)
         self._writer = Writer(client, self._scripts, config, log, self._ensure_unknown)
         self._reader = LedgerReader(client, config.redis_timeout_s)
 
@@ -91,6 +102,8 @@ class Ledger:
     async def close(self) -> None:
         """Write what Redis takes within ``close_timeout_s``; the rest stays in the spool."""
         await self._writer.close()
+        if self._wire is not None:
+            self._wire.close()
 
     @property
     def redis_up(self) -> bool:
@@ -222,11 +235,17 @@ class Ledger:
             keys += [replica_key(replica, "turn"), replica_key(replica, "run")]
             args += [fence.token, fence.run, fence.count]
             script = self._scripts.fenced_step
-        async with self._call("chain step"):
-            step = advance_from(replica, await script(keys=keys, args=args))
-            if step is None:  # Redis lost the chain: start an unknown one, then step (stale)
-                await self._ensure_unknown(replica, str(record["engine_digest"]))
-                step = advance_from(replica, await script(keys=keys, args=args))
+        try:
+            async with asyncio.timeout(self._cfg.redis_timeout_s):
+                step = advance_from(replica, await self._run(script, keys, args))
+        except REDIS_FAILURES as exc:
+            error = unavailable("chain step", exc)
+            self._writer.went_down(error)
+            raise error from exc
+        if step is None:  # Redis lost the chain: start an unknown one, then step (stale)
+            await self._ensure_unknown(replica, str(record["engine_digest"]))
+            async with self._call("chain step"):
+                step = advance_from(replica, await self._run(script, keys, args))
         if step is None:
             raise UnknownReplica(f"replica {replica!r} has no chain")
         fields = chain_fields(step, exact)
@@ -234,6 +253,12 @@ class Ledger:
         if record.get("run") is not None:
             self._writer.index(request_id, record["run"], with_chain(data, fields))
         return record
+
+    async def _run(self, script: AsyncScript, keys: list[str], args: list[EncodableT]) -> Any:
+        """The request path's one Redis call, on the wire when there is one."""
+        if self._wire is not None:
+            return await self._wire.script(script, keys, args)
+        return await script(keys=keys, args=args)
 
     async def _ensure_unknown(self, replica: str, engine_digest: str) -> None:
         """A chain for a replica whose chain Redis lost: nothing proves its cache empty."""

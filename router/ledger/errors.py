@@ -42,6 +42,11 @@ class SpoolUnavailable(LedgerError):
     """The local spool cannot be used."""
 
 
+def unavailable(what: str, exc: BaseException) -> LedgerUnavailable:
+    """The LedgerUnavailable that a Redis failure of the call ``what`` becomes."""
+    return LedgerUnavailable(f"redis {what}: {type(exc).__name__}: {exc}")
+
+
 @contextlib.asynccontextmanager
 async def redis_call(what: str, timeout_s: float) -> AsyncIterator[None]:
     """Bound a Redis call by ``timeout_s`` and translate its failures to LedgerUnavailable."""
@@ -49,4 +54,4 @@ async def redis_call(what: str, timeout_s: float) -> AsyncIterator[None]:
         async with asyncio.timeout(timeout_s):
             yield
     except REDIS_FAILURES as exc:
-        raise LedgerUnavailable(f"redis {what}: {type(exc).__name__}: {exc}") from exc
+        raise unavailable(what, exc) from exc

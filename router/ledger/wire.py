@@ -1,0 +1,172 @@
+"""A minimal pipelined Redis client for the request path's one Redis call: the chain step.
+
+Why not redis-py there: per call it takes a connection from its pool, packs the command
+through its encoder, arms its own read timeout and runs its retry and health-check machinery,
+about a tenth of the proxy's CPU per request (py-spy under ``bench/overhead.py``). The step
+needs one thing: send ``EVALSHA`` and read one reply. Every other Redis call stays on redis-py.
+
+One connection, commands pipelined: Redis answers in order, so each command waits on a future
+in a FIFO. A caller that gives up (its deadline) leaves its future cancelled in place; the
+reply, when it comes, is read and dropped, so the connection stays in step. A lost connection
+fails every waiting command with ConnectionError (an OSError, which the ledger counts as Redis
+being away) and the next call connects again. Replies are parsed by hiredis' reader (the one
+redis-py uses): bulk strings as bytes, integers as int, arrays as lists, an error reply raised
+as :class:`redis.exceptions.ResponseError`. ``NOSCRIPT`` (Redis restarted, its script cache
+empty) runs the script by ``EVAL``, which caches it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from typing import Any, cast
+
+import hiredis
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+from redis.commands.core import AsyncScript
+from redis.exceptions import ResponseError
+
+Arg = str | bytes | bytearray | memoryview | int | float
+
+
+def pack(args: Sequence[Arg]) -> bytes:
+    """One command in RESP: an array of bulk strings."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes | bytearray | memoryview):
+            data = bytes(arg)
+        elif isinstance(arg, str):
+            data = arg.encode()
+        else:
+            data = repr(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.WriteTransport | None = None
+        self.reader = hiredis.Reader(replyError=ResponseError)
+        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.lost: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.WriteTransport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while (reply := self.reader.gets()) is not False:
+            if not self.waiting:  # a reply nobody asked for: the stream is out of step
+                self.connection_lost(ConnectionError("redis sent a reply nobody asked for"))
+                return
+            future = self.waiting.popleft()
+            if future.done():  # its caller gave up: the reply is dropped, the order kept
+                continue
+            if isinstance(reply, ResponseError):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc or ConnectionError("redis closed the connection")
+        if self.transport is not None:
+            self.transport.close()
+        while self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_exception(ConnectionError(f"redis connection lost: {self.lost}"))
+
+    def send(self, command: bytes) -> asyncio.Future[Any]:
+        assert self.transport is not None
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append(future)
+        self.transport.write(command)
+        return future
+
+
+class Wire:
+    """Commands to one Redis (``host``, ``port``, ``db``, optional AUTH) on one connection."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        db: int = 0,
+        username: str | None = None,
+        password: str | None = None,
+        connect_timeout_s: float = 0.5,
+    ) -> None:
+        self.host, self.port, self.db = host, port, db
+        self._auth = [a for a in (username, password) if a] if password else []
+        self.connect_timeout_s = connect_timeout_s
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    @classmethod
+    def like(cls, client: aioredis.Redis) -> Wire | None:
+        """A wire to the same Redis as ``client``; None for what it does not speak (TLS, a
+        unix socket), where the caller keeps using ``client``."""
+        pool = client.connection_pool
+        if pool.connection_class is not Connection:
+            return None
+        kw = pool.connection_kwargs
+        return cls(
+            str(kw.get("host", "localhost")),
+            int(kw.get("port", 6379)),
+            db=int(kw.get("db", 0) or 0),
+            username=kw.get("username"),
+            password=kw.get("password"),
+            connect_timeout_s=float(kw.get("socket_connect_timeout") or 0.5),
+        )
+
+    async def call(self, *args: Arg) -> Any:
+        """One command's reply (see the module docstring for types and errors)."""
+        protocol = await self._ready()
+        return await protocol.send(pack(args))
+
+    async def script(self, script: AsyncScript, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        """Run ``script`` (redis-py's, registered on a client) by its hash, or by its text when
+        Redis does not have it cached."""
+        tail = [len(keys), *keys, *args]
+        try:
+            return await self.call("EVALSHA", script.sha, *tail)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+        return await self.call("EVAL", script.script, *tail)
+
+    def close(self) -> None:
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.close()
+        self._protocol = None
+
+    async def _ready(self) -> _Protocol:
+        protocol = self._protocol
+        if protocol is not None and protocol.lost is None:
+            return protocol
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # one connection, however many callers find it gone
+            if self._protocol is None or self._protocol.lost is not None:
+                self._protocol = await self._connect()
+            return self._protocol
+
+    async def _connect(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.connect_timeout_s):
+            _, protocol = await loop.create_connection(_Protocol, self.host, self.port)
+            setup = []
+            if self._auth:
+                setup.append(protocol.send(pack(["AUTH", *self._auth])))
+            if self.db:
+                setup.append(protocol.send(pack(["SELECT", self.db])))
+            try:
+                await asyncio.gather(*setup)
+            except BaseException:
+                if protocol.transport is not None:
+                    protocol.transport.close()
+                raise
+        return protocol
