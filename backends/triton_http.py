@@ -10,6 +10,9 @@ Every generation, streamed or not, goes through the streaming endpoint with the 
 ``stream`` input on: Triton's HTTP server notices a client that left only when it next writes to
 the connection (triton-inference-server/server issue 7077), and a streamed response writes at
 every token, so closing the connection stops the request inside Triton within a token or two.
+The events that arrive in one read become one chunk: a non-streamed answer, or a stream whose
+client reads slower than the engine writes, pays the proxy's per-chunk work once per read, not
+once per token.
 
 How Triton maps the body (``src/http_server.cc``, ``HandleGenerate``): each top-level key that
 names a model input becomes that input (a scalar or a 1-D array, reshaped to the input's
@@ -117,13 +120,16 @@ class TritonHttpBackend(TritonBackend):
             buffer = b""
             async for data in response.body():
                 *events, buffer = (buffer + data).split(b"\n\n")
+                pieces = []
                 for event in events:
                     outputs = self._event(event, produced)
                     stats = parse_stats(outputs, stats)
                     text = outputs.get("text_output")
                     if text:
                         produced = True
-                        yield Chunk(str(text))
+                        pieces.append(str(text))
+                if pieces:  # the tokens that arrived together travel on as one chunk
+                    yield Chunk("".join(pieces))
             if buffer.strip():
                 raise BackendFailed(self.replica_id, "the stream ended inside an event")
             # Back to the pool before the last chunk: the caller may never close this generator.

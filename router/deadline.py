@@ -24,9 +24,11 @@ class Deadline:
         self._fired = False
 
     def waiting(self) -> None:
-        """A wait for the next chunk begins in the current task."""
+        """A wait for the next chunk begins in the current task (the one that began the first
+        wait: a stream is read by one task)."""
         self._since = self._loop.time()
-        self._task = asyncio.current_task()
+        if self._task is None:
+            self._task = asyncio.current_task()
         if self._task is not None:
             self._cancelling = self._task.cancelling()
         if self._handle is None:

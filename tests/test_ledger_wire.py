@@ -102,3 +102,16 @@ async def test_the_urls_user_password_and_database_are_used(redis_server: RedisS
 def test_what_it_does_not_speak_stays_on_redis_py() -> None:
     assert Wire.like(aioredis.Redis.from_url("unix:///tmp/redis.sock")) is None
     assert Wire.like(aioredis.Redis.from_url("rediss://127.0.0.1:6380/0")) is None
+
+
+async def test_a_command_past_its_deadline_fails_and_the_next_gets_its_own_reply(
+    redis_server: RedisServer,
+) -> None:
+    client, wire = wire_for(redis_server.url)
+    try:
+        with pytest.raises(TimeoutError, match="no reply within 0.05 s"):
+            await wire.call("BLPOP", "empty-list", "0.3", timeout_s=0.05)
+        assert await wire.call("ECHO", "next", timeout_s=2) == b"next"
+    finally:
+        wire.close()
+        await client.aclose()

@@ -10,7 +10,7 @@ episode label printable UTF-8 text. A body that cannot be read or decoded
 
 from __future__ import annotations
 
-import secrets
+import os
 from typing import Any
 
 import aiohttp
@@ -47,7 +47,7 @@ ANONYMOUS = Principal(name="anonymous")
 
 
 def new_request_id() -> str:
-    return secrets.token_hex(12)
+    return os.urandom(12).hex()  # secrets.token_hex(12), without its two Python layers
 
 
 def single_header(request: web.Request, name: str) -> str | None:

@@ -43,7 +43,7 @@ from router.ledger.errors import (
     unavailable,
 )
 from router.ledger.read import LedgerReader
-from router.ledger.records import chain_fields, template, with_chain
+from router.ledger.records import CHAIN_FIELDS, chain_fields, template, with_chain
 from router.ledger.schema import (
     GENERATIONS,
     GENERATIONS_MAXLEN,
@@ -205,7 +205,9 @@ class Ledger:
     def defer(self, record: Record, exact: bool, *, tried: bool) -> Record:
         """Answer ``record`` pending and queue its step, in submit order; ``tried`` says the
         step was sent and may have run (its retry then relies on the step key)."""
-        record.update(pending=True, seq=None, state_before=None, state_after=None, state_known=None)
+        # Nothing is known of its step yet: no chain fields, and not exact.
+        fields = dict.fromkeys(CHAIN_FIELDS)
+        record.update(fields, pending=True, stale=False, unordered=False, exact=False)
         step = Step(
             str(record["replica"]),
             int(record["generation"]),
@@ -236,8 +238,7 @@ class Ledger:
             args += [fence.token, fence.run, fence.count]
             script = self._scripts.fenced_step
         try:
-            async with asyncio.timeout(self._cfg.redis_timeout_s):
-                step = advance_from(replica, await self._run(script, keys, args))
+            step = advance_from(replica, await self._run(script, keys, args))
         except REDIS_FAILURES as exc:
             error = unavailable("chain step", exc)
             self._writer.went_down(error)
@@ -255,10 +256,13 @@ class Ledger:
         return record
 
     async def _run(self, script: AsyncScript, keys: list[str], args: list[EncodableT]) -> Any:
-        """The request path's one Redis call, on the wire when there is one."""
+        """The request path's one Redis call, on the wire when there is one, within
+        ``redis_timeout_s``."""
+        timeout_s = self._cfg.redis_timeout_s
         if self._wire is not None:
-            return await self._wire.script(script, keys, args)
-        return await script(keys=keys, args=args)
+            return await self._wire.script(script, keys, args, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await script(keys=keys, args=args)
 
     async def _ensure_unknown(self, replica: str, engine_digest: str) -> None:
         """A chain for a replica whose chain Redis lost: nothing proves its cache empty."""

@@ -106,7 +106,8 @@ class RecordInput:
 
 
 def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
-    """Every field of DESIGN.md §5; ``state_after`` is filled when the chain advances."""
+    """Every field of DESIGN.md §5 but the chain fields (``CHAIN_FIELDS``), which the ledger
+    adds when the chain steps (or sets to None while the step waits for Redis)."""
     request, principal, admission = parts.request, parts.principal, parts.admission
     stats = outcome.stats or EngineStats()
     sampling = request.sampling()
@@ -123,13 +124,6 @@ def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
         "model": parts.model,
         "engine_digest": admission.engine_digest,
         "generation": admission.generation,
-        "seq": None,
-        "state_before": None,
-        "state_after": None,
-        "state_known": None,
-        "stale": False,
-        "unordered": False,
-        "exact": evaluating,
         "verified": None,
         "warning": admission.warning,
         "pending": False,
@@ -157,6 +151,8 @@ CHAIN_FIELDS = ("seq", "state_before", "state_after", "state_known", "stale", "u
 
 def template(record: dict[str, Any]) -> bytes:
     """The record as JSON without its chain fields, for the step script to complete."""
+    if "seq" not in record:  # as make_record built it
+        return orjson.dumps(record)
     return orjson.dumps({k: v for k, v in record.items() if k not in CHAIN_FIELDS})
 
 

@@ -9,7 +9,8 @@ One connection, commands pipelined: Redis answers in order, so each command wait
 in a FIFO. A caller that gives up (its deadline) leaves its future cancelled in place; the
 reply, when it comes, is read and dropped, so the connection stays in step. A lost connection
 fails every waiting command with ConnectionError (an OSError, which the ledger counts as Redis
-being away) and the next call connects again. Replies are parsed by hiredis' reader (the one
+being away) and the next call connects again. A command's deadline is a timer on its future
+(TimeoutError), not a cancellation of its caller. Replies are parsed by hiredis' reader (the one
 redis-py uses): bulk strings as bytes, integers as int, arrays as lists, an error reply raised
 as :class:`redis.exceptions.ResponseError`. ``NOSCRIPT`` (Redis restarted, its script cache
 empty) runs the script by ``EVAL``, which caches it again.
@@ -78,12 +79,20 @@ class _Protocol(asyncio.Protocol):
             if not future.done():
                 future.set_exception(ConnectionError(f"redis connection lost: {self.lost}"))
 
-    def send(self, command: bytes) -> asyncio.Future[Any]:
+    def send(self, command: bytes, timeout_s: float | None = None) -> asyncio.Future[Any]:
         assert self.transport is not None
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self.waiting.append(future)
         self.transport.write(command)
+        if timeout_s is not None:  # one timer, never cancelled: it finds the future answered
+            loop.call_later(timeout_s, _expire, future, timeout_s)
         return future
+
+
+def _expire(future: asyncio.Future[Any], timeout_s: float) -> None:
+    if not future.done():  # its reply, when it comes, is dropped (see data_received)
+        future.set_exception(TimeoutError(f"no reply within {timeout_s:g} s"))
 
 
 class Wire:
@@ -122,21 +131,28 @@ class Wire:
             connect_timeout_s=float(kw.get("socket_connect_timeout") or 0.5),
         )
 
-    async def call(self, *args: Arg) -> Any:
-        """One command's reply (see the module docstring for types and errors)."""
+    async def call(self, *args: Arg, timeout_s: float | None = None) -> Any:
+        """One command's reply (see the module docstring for types and errors); TimeoutError
+        when it takes longer than ``timeout_s``."""
         protocol = await self._ready()
-        return await protocol.send(pack(args))
+        return await protocol.send(pack(args), timeout_s)
 
-    async def script(self, script: AsyncScript, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    async def script(
+        self,
+        script: AsyncScript,
+        keys: Sequence[Arg],
+        args: Sequence[Arg],
+        timeout_s: float | None = None,
+    ) -> Any:
         """Run ``script`` (redis-py's, registered on a client) by its hash, or by its text when
         Redis does not have it cached."""
         tail = [len(keys), *keys, *args]
         try:
-            return await self.call("EVALSHA", script.sha, *tail)
+            return await self.call("EVALSHA", script.sha, *tail, timeout_s=timeout_s)
         except ResponseError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
-        return await self.call("EVAL", script.script, *tail)
+        return await self.call("EVAL", script.script, *tail, timeout_s=timeout_s)
 
     def close(self) -> None:
         if self._protocol is not None and self._protocol.transport is not None:
