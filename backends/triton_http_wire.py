@@ -91,29 +91,39 @@ class Response:
         self.complete = True
 
     async def _chunks(self) -> AsyncIterator[bytes]:
+        """The chunked body as it arrives: every chunk complete in the buffer, joined, so that a
+        read that brought several (a decoupled model's responses) is handled once."""
         buffer = self._c.buffer
         while True:
-            end = buffer.find(b"\r\n")
-            while end < 0:
-                await self._c.more()
-                end = buffer.find(b"\r\n")
-            try:
-                size = int(bytes(buffer[:end]).split(b";", 1)[0], 16)
-            except ValueError as exc:
-                line = bytes(buffer[:end])[:40]
-                raise WireError(f"bad chunk size {line!r}", answered=True) from exc
-            if size == 0:  # the last chunk: then optional trailers and an empty line
-                stop = buffer.find(b"\r\n\r\n", end)
-                while stop < 0:
-                    await self._c.more()
-                    stop = buffer.find(b"\r\n\r\n", end)
-                del buffer[: stop + 4]
+            pieces, ended = _take_chunks(buffer)
+            if pieces:
+                yield b"".join(pieces)
+            if ended:
                 return
-            while len(buffer) < end + 2 + size + 2:
-                await self._c.more()
-            piece = bytes(buffer[end + 2 : end + 2 + size])
-            del buffer[: end + 2 + size + 2]
-            yield piece
+            await self._c.more()
+
+
+def _take_chunks(buffer: bytearray) -> tuple[list[bytes], bool]:
+    """The data of the complete chunks at the head of ``buffer`` (removed from it), and whether
+    the last chunk (with its trailers) was among them."""
+    pieces: list[bytes] = []
+    while (end := buffer.find(b"\r\n")) >= 0:
+        try:
+            size = int(bytes(buffer[:end]).split(b";", 1)[0], 16)
+        except ValueError as exc:
+            line = bytes(buffer[:end])[:40]
+            raise WireError(f"bad chunk size {line!r}", answered=True) from exc
+        if size == 0:  # the last chunk: then optional trailers and an empty line
+            stop = buffer.find(b"\r\n\r\n", end)
+            if stop < 0:
+                break
+            del buffer[: stop + 4]
+            return pieces, True
+        if len(buffer) < end + 2 + size + 2:
+            break
+        pieces.append(bytes(buffer[end + 2 : end + 2 + size]))
+        del buffer[: end + 2 + size + 2]
+    return pieces, False
 
 
 class Pool:

@@ -274,3 +274,39 @@ async def test_a_connection_the_replica_closed_while_idle_is_replaced() -> None:
         finally:
             await backend.close()
     assert connections == 3
+
+
+async def test_events_split_across_reads_or_packed_in_one_arrive_whole_and_in_order() -> None:
+    """Chunked framing cut anywhere (a size line, a chunk, its CRLF) or several chunks in one
+    write: the text arrives whole and in order, and the statistics from their event."""
+    events = [f'data: {{"text_output":"t{i} "}}\n\n'.encode() for i in range(6)]
+    events.append(b'data: {"text_output":"","num_output_tokens":6}\n\n')
+    body = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in events)
+    body += b"0\r\nX-Trailer: 1\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    cuts = [3, 4, 5, 70, 71, 72, 200, len(body) - 3]  # mid size line, mid data, mid CRLF, ...
+
+    async def answer_in_pieces(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(head)
+        start = 0
+        for cut in [*cuts, len(body)]:
+            writer.write(body[start:cut])
+            await writer.drain()
+            await asyncio.sleep(0.01)  # separate reads
+            start = cut
+        writer.close()
+
+    server = await asyncio.start_server(answer_in_pieces, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    target = TritonTarget("pieces", "127.0.0.1:1", "http://127.0.0.1:1/metrics")
+    async with aiohttp.ClientSession() as session, server:
+        backend = TritonHttpBackend(target, f"http://127.0.0.1:{port}", session)
+        try:
+            chunks = await collect(backend, GenerationRequest("p", "x", max_tokens=6))
+        finally:
+            await backend.close()
+    assert "".join(c.text for c in chunks) == "".join(f"t{i} " for i in range(6))
+    assert len([c for c in chunks if c.text]) < 6  # the events of one read became one chunk
+    assert chunks[-1].final and chunks[-1].stats is not None
+    assert chunks[-1].stats.output_tokens == 6
