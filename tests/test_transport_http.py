@@ -5,10 +5,11 @@ mid-generation stops the replica, streamed or not."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 
 import aiohttp
@@ -237,6 +238,22 @@ def test_client_gone_from_a_non_streamed_request_stops_the_replica(
     assert _iterations(r3) - before < LONG // 2
 
 
+@contextlib.asynccontextmanager
+async def served_by(
+    answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[TritonHttpBackend]:
+    """An HTTP backend whose replica is ``answer``: raw bytes from a server on a free port."""
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    target = TritonTarget("raw", "127.0.0.1:1", "http://127.0.0.1:1/metrics")
+    async with aiohttp.ClientSession() as session, server:
+        backend = TritonHttpBackend(target, f"http://127.0.0.1:{port}", session)
+        try:
+            yield backend
+        finally:
+            await backend.close()
+
+
 async def test_a_connection_the_replica_closed_while_idle_is_replaced() -> None:
     """A replica that closed an idle keep-alive connection: the request goes out on a new one."""
     # Also: the statistics come with a text event and the stream ends without a final event
@@ -261,18 +278,11 @@ async def test_a_connection_the_replica_closed_while_idle_is_replaced() -> None:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(one_answer_then_close, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    gone = TritonTarget("closing", "127.0.0.1:1", "http://127.0.0.1:1/metrics")
-    async with aiohttp.ClientSession() as session, server:
-        backend = TritonHttpBackend(gone, f"http://127.0.0.1:{port}", session)
-        try:
-            for i in range(3):
-                chunks = await collect(backend, GenerationRequest(str(i), "x", max_tokens=1))
-                assert [c.text for c in chunks] == ["hi", ""]
-                assert chunks[-1].stats is not None and chunks[-1].stats.output_tokens == 1
-        finally:
-            await backend.close()
+    async with served_by(one_answer_then_close) as backend:
+        for i in range(3):
+            chunks = await collect(backend, GenerationRequest(str(i), "x", max_tokens=1))
+            assert [c.text for c in chunks] == ["hi", ""]
+            assert chunks[-1].stats is not None and chunks[-1].stats.output_tokens == 1
     assert connections == 3
 
 
@@ -297,15 +307,8 @@ async def test_events_split_across_reads_or_packed_in_one_arrive_whole_and_in_or
             start = cut
         writer.close()
 
-    server = await asyncio.start_server(answer_in_pieces, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    target = TritonTarget("pieces", "127.0.0.1:1", "http://127.0.0.1:1/metrics")
-    async with aiohttp.ClientSession() as session, server:
-        backend = TritonHttpBackend(target, f"http://127.0.0.1:{port}", session)
-        try:
-            chunks = await collect(backend, GenerationRequest("p", "x", max_tokens=6))
-        finally:
-            await backend.close()
+    async with served_by(answer_in_pieces) as backend:
+        chunks = await collect(backend, GenerationRequest("p", "x", max_tokens=6))
     assert "".join(c.text for c in chunks) == "".join(f"t{i} " for i in range(6))
     assert len([c for c in chunks if c.text]) < 6  # the events of one read became one chunk
     assert chunks[-1].final and chunks[-1].stats is not None
