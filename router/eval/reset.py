@@ -139,13 +139,15 @@ class Resetter:
                     acked = await self._acknowledged(replica.id, mark)
                     waited = acked + await wait_idle(replica, 0.0, self.drain_timeout_s)
                     reloaded = time.perf_counter()
-                    unfinished = "the reset was interrupted while reloading the model"
                     try:
                         digest = await self._reload(replica)
-                    except ResetFailed as exc:
-                        unfinished = exc.message
+                    except BaseException as exc:
+                        unfinished = (
+                            exc.message
+                            if isinstance(exc, ResetFailed)
+                            else "the reset was interrupted while reloading the model"
+                        )
                         raise
-                    unfinished = None
                     reload_s = time.perf_counter() - reloaded
                 if beat.lost is not None:
                     raise ResetFailed(f"replica {replica.id}: the reset lost its mark: {beat.lost}")

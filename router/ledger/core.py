@@ -237,16 +237,10 @@ class Ledger:
             keys += [replica_key(replica, "turn"), replica_key(replica, "run")]
             args += [fence.token, fence.run, fence.count]
             script = self._scripts.fenced_step
-        try:
-            step = advance_from(replica, await self._run(script, keys, args))
-        except REDIS_FAILURES as exc:
-            error = unavailable("chain step", exc)
-            self._writer.went_down(error)
-            raise error from exc
+        step = advance_from(replica, await self._run(script, keys, args))
         if step is None:  # Redis lost the chain: start an unknown one, then step (stale)
             await self._ensure_unknown(replica, str(record["engine_digest"]))
-            async with self._call("chain step"):
-                step = advance_from(replica, await self._run(script, keys, args))
+            step = advance_from(replica, await self._run(script, keys, args))
         if step is None:
             raise UnknownReplica(f"replica {replica!r} has no chain")
         fields = chain_fields(step, exact)
@@ -257,12 +251,19 @@ class Ledger:
 
     async def _run(self, script: AsyncScript, keys: list[str], args: list[EncodableT]) -> Any:
         """The request path's one Redis call, on the wire when there is one, within
-        ``redis_timeout_s``."""
+        ``redis_timeout_s``; as :meth:`_call`, a failure tells the writer Redis is away.
+        (Not :meth:`_call` itself: its context manager and timeout cost more than the wire's
+        timer, on every request.)"""
         timeout_s = self._cfg.redis_timeout_s
-        if self._wire is not None:
-            return await self._wire.script(script, keys, args, timeout_s)
-        async with asyncio.timeout(timeout_s):
-            return await script(keys=keys, args=args)
+        try:
+            if self._wire is not None:
+                return await self._wire.script(script, keys, args, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await script(keys=keys, args=args)
+        except REDIS_FAILURES as exc:
+            error = unavailable("chain step", exc)
+            self._writer.went_down(error)
+            raise error from exc
 
     async def _ensure_unknown(self, replica: str, engine_digest: str) -> None:
         """A chain for a replica whose chain Redis lost: nothing proves its cache empty."""
