@@ -112,6 +112,8 @@ def parse_stats(outputs: Mapping[str, Any], base: EngineStats | None = None) -> 
     """TensorRT-LLM's per-request statistics in one response's outputs (output name -> numpy
     array, list or scalar, as tritonclient or a JSON body gives them), over ``base`` (what
     earlier responses of the stream carried); None when neither has any."""
+    if outputs.keys().isdisjoint(_STATS):  # most responses of a stream carry a token only
+        return base
     values: dict[str, int] = {}
     for output, field_name in _STATS.items():
         value = outputs.get(output)

@@ -113,14 +113,17 @@ class TritonHttpBackend(TritonBackend):
             raise
         produced = released = failed = False
         stats: EngineStats | None = None
+        # A non-streamed request needs only the whole answer: woken once it may be complete,
+        # or every quarter of the no-progress deadline while it is not (the progress it sees).
+        gather_s = None if request.stream else self.target.timeout_s / 4
         try:
             if response.status != 200:
                 failed = True
-                raise self._refused(response.status, b"".join([p async for p in response.body()]))
+                raise self._refused(response.status, await response.read_all())
             buffer = b""
-            async for data in response.body():
+            pieces: list[str] = []
+            while (data := await response.read(gather_s)) is not None:
                 *events, buffer = (buffer + data).split(b"\n\n")
-                pieces = []
                 for event in events:
                     outputs = self._event(event, produced)
                     stats = parse_stats(outputs, stats)
@@ -128,14 +131,15 @@ class TritonHttpBackend(TritonBackend):
                     if text:
                         produced = True
                         pieces.append(str(text))
-                if pieces:  # the tokens that arrived together travel on as one chunk
-                    yield Chunk("".join(pieces))
+                if pieces and not response.complete:
+                    yield Chunk("".join(pieces))  # the tokens that arrived together, as one
+                    pieces = []
             if buffer.strip():
                 raise BackendFailed(self.replica_id, "the stream ended inside an event")
             # Back to the pool before the last chunk: the caller may never close this generator.
             self._pool.release(response, connection)
             released = True
-            yield Chunk("", final=True, stats=stats)
+            yield Chunk("".join(pieces), final=True, stats=stats)
         except WireError as exc:
             failed = True
             kind = BackendFailed if produced else BackendUnavailable

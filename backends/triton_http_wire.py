@@ -7,13 +7,18 @@ request on an idle connection, then read a status, a few headers, and a body in
 ``Content-Length`` or ``chunked`` framing. This module does that on asyncio's Protocol API and
 nothing else (no redirects, cookies, proxies, TLS or compression).
 
+A reader that needs only the whole answer (a non-streamed request) can ask to be woken less
+often (``Response.read(gather_s)``): the connection then hands on bytes as they arrive but wakes
+the reading task only when the buffer ends where a chunked body can end, or once ``gather_s`` has
+passed since the wait began, so that a caller's no-progress deadline still sees progress. A
+decoupled model's answer of many events then costs one wake-up instead of one per read.
+
 Errors: :class:`WireError` (with ``answered``: whether any of the response arrived).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -26,19 +31,29 @@ class WireError(Exception):
         self.answered = answered  # some of the response arrived
 
 
+# A chunked body ends with the last chunk's line and its (here empty) trailers: CRLF CRLF. Its
+# events end with LF LF, so a buffer that stops mid-body rarely ends so; when it does, the reader
+# wakes early, finds the body incomplete and waits again.
+_MAY_END = b"\r\n\r\n"
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.WriteTransport | None = None
         self.buffer = bytearray()
         self.closed = False
         self._waiter: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._until: float | None = None  # gathering: wake before a possible end only after this
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.WriteTransport, transport)  # uvloop's is no subclass
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        self._wake()
+        until = self._until
+        if until is None or self.buffer.endswith(_MAY_END) or self._loop.time() >= until:
+            self._wake()
 
     def eof_received(self) -> bool:
         self.closed = True
@@ -53,13 +68,18 @@ class _Connection(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def more(self) -> None:
-        """Wait until more bytes arrived or the connection closed."""
+    async def more(self, gather_s: float | None = None) -> None:
+        """Wait until more bytes arrived or the connection closed; with ``gather_s``, until the
+        bytes may end a chunked body or ``gather_s`` has passed (see the module docstring)."""
         if self.closed:
             raise WireError("the replica closed the connection", answered=True)
-        self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
-        self._waiter = None
+        if gather_s is not None:
+            self._until = self._loop.time() + gather_s
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = self._until = None
 
     def close(self) -> None:
         self.closed = True
@@ -78,29 +98,35 @@ class Response:
         self.keep_alive = headers.get(b"connection", b"").lower() != b"close"
         self.complete = False
 
-    async def body(self) -> AsyncIterator[bytes]:
-        if self.chunked:
-            async for piece in self._chunks():
-                yield piece
-        else:
-            while len(self._c.buffer) < self.length:
-                await self._c.more()
-            piece = bytes(self._c.buffer[: self.length])
-            del self._c.buffer[: self.length]
-            yield piece
-        self.complete = True
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        """The chunked body as it arrives: every chunk complete in the buffer, joined, so that a
-        read that brought several (a decoupled model's responses) is handled once."""
+    async def read(self, gather_s: float | None = None) -> bytes | None:
+        """The body's next data: every chunk complete in the buffer, joined, so that a read
+        that brought several (a decoupled model's responses) is handled once; None once the
+        body has ended. ``complete`` is set with the data that ends the body. ``gather_s``: wake
+        less often (see the module docstring)."""
+        if self.complete:
+            return None
         buffer = self._c.buffer
+        if not self.chunked:
+            while len(buffer) < self.length:
+                await self._c.more()
+            piece = bytes(buffer[: self.length])
+            del buffer[: self.length]
+            self.complete = True
+            return piece
         while True:
             pieces, ended = _take_chunks(buffer)
-            if pieces:
-                yield b"".join(pieces)
             if ended:
-                return
-            await self._c.more()
+                self.complete = True
+            if pieces or ended:
+                return b"".join(pieces)
+            await self._c.more(gather_s)
+
+    async def read_all(self) -> bytes:
+        """The whole (rest of the) body."""
+        parts = []
+        while (data := await self.read()) is not None:
+            parts.append(data)
+        return b"".join(parts)
 
 
 def _take_chunks(buffer: bytearray) -> tuple[list[bytes], bool]:

@@ -241,11 +241,12 @@ def test_client_gone_from_a_non_streamed_request_stops_the_replica(
 @contextlib.asynccontextmanager
 async def served_by(
     answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    timeout_s: float = 10.0,
 ) -> AsyncIterator[TritonHttpBackend]:
     """An HTTP backend whose replica is ``answer``: raw bytes from a server on a free port."""
     server = await asyncio.start_server(answer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    target = TritonTarget("raw", "127.0.0.1:1", "http://127.0.0.1:1/metrics")
+    target = TritonTarget("raw", "127.0.0.1:1", "http://127.0.0.1:1/metrics", timeout_s=timeout_s)
     async with aiohttp.ClientSession() as session, server:
         backend = TritonHttpBackend(target, f"http://127.0.0.1:{port}", session)
         try:
@@ -257,7 +258,8 @@ async def served_by(
 async def test_a_connection_the_replica_closed_while_idle_is_replaced() -> None:
     """A replica that closed an idle keep-alive connection: the request goes out on a new one."""
     # Also: the statistics come with a text event and the stream ends without a final event
-    # (a decoupled ensemble's flags-only end), and the last chunk still carries them.
+    # (a decoupled ensemble's flags-only end), and the last chunk still carries them (with the
+    # text that arrived with the end: a non-streamed answer is one final chunk).
     event = b'data: {"text_output":"hi","num_output_tokens":1}\n\n'
     answer = (
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -281,24 +283,34 @@ async def test_a_connection_the_replica_closed_while_idle_is_replaced() -> None:
     async with served_by(one_answer_then_close) as backend:
         for i in range(3):
             chunks = await collect(backend, GenerationRequest(str(i), "x", max_tokens=1))
-            assert [c.text for c in chunks] == ["hi", ""]
+            assert [(c.text, c.final) for c in chunks] == [("hi", True)]
             assert chunks[-1].stats is not None and chunks[-1].stats.output_tokens == 1
     assert connections == 3
 
 
-async def test_events_split_across_reads_or_packed_in_one_arrive_whole_and_in_order() -> None:
+def _chunked_events(events: list[bytes], trailer: bytes = b"") -> bytes:
+    body = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in events)
+    return body + b"0\r\n" + trailer + b"\r\n"
+
+
+_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_events_split_across_reads_or_packed_in_one_arrive_whole_and_in_order(
+    stream: bool,
+) -> None:
     """Chunked framing cut anywhere (a size line, a chunk, its CRLF) or several chunks in one
-    write: the text arrives whole and in order, and the statistics from their event."""
+    write: the text arrives whole and in order, and the statistics from their event. A stream
+    hands on what each read brought; a non-streamed request gets the whole answer as one chunk."""
     events = [f'data: {{"text_output":"t{i} "}}\n\n'.encode() for i in range(6)]
     events.append(b'data: {"text_output":"","num_output_tokens":6}\n\n')
-    body = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in events)
-    body += b"0\r\nX-Trailer: 1\r\n\r\n"
-    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    body = _chunked_events(events, b"X-Trailer: 1\r\n")
     cuts = [3, 4, 5, 70, 71, 72, 200, len(body) - 3]  # mid size line, mid data, mid CRLF, ...
 
     async def answer_in_pieces(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(head)
+        writer.write(_HEAD)
         start = 0
         for cut in [*cuts, len(body)]:
             writer.write(body[start:cut])
@@ -308,8 +320,44 @@ async def test_events_split_across_reads_or_packed_in_one_arrive_whole_and_in_or
         writer.close()
 
     async with served_by(answer_in_pieces) as backend:
-        chunks = await collect(backend, GenerationRequest("p", "x", max_tokens=6))
+        request = GenerationRequest("p", "x", max_tokens=6, stream=stream)
+        chunks = await collect(backend, request)
     assert "".join(c.text for c in chunks) == "".join(f"t{i} " for i in range(6))
-    assert len([c for c in chunks if c.text]) < 6  # the events of one read became one chunk
+    with_text = [c for c in chunks if c.text]
+    if stream:
+        assert 1 < len(with_text) < 6  # the events of one read became one chunk
+    else:
+        assert len(chunks) == 1  # woken once, at the end
     assert chunks[-1].final and chunks[-1].stats is not None
     assert chunks[-1].stats.output_tokens == 6
+
+
+async def test_a_slow_non_streamed_answer_still_shows_progress_before_its_end() -> None:
+    """A non-streamed request is woken at its end, but also every quarter of the no-progress
+    deadline while tokens keep coming: a long answer is never mistaken for a stalled one."""
+    events = [f'data: {{"text_output":"t{i} "}}\n\n'.encode() for i in range(8)]
+    body = _chunked_events(events)
+    pieces = [body[: body.index(e) + len(e)] for e in events]
+
+    async def slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_HEAD)
+        sent = 0
+        for piece in pieces:
+            writer.write(body[sent : len(piece)])
+            sent = len(piece)
+            await writer.drain()
+            await asyncio.sleep(0.15)
+        writer.write(body[sent:])
+        writer.close()
+
+    async with served_by(slowly, timeout_s=0.8) as backend:  # progress every 0.2 s or sooner
+        arrived: list[float] = []
+        loop = asyncio.get_running_loop()
+        async for chunk in backend.stream(GenerationRequest("p", "x", max_tokens=8)):
+            arrived.append(loop.time())
+            if chunk.final:
+                break
+    gaps = [later - earlier for earlier, later in zip(arrived, arrived[1:], strict=False)]
+    assert len(arrived) >= 3, arrived  # 1.2 s of tokens: woken along the way, not only at the end
+    assert max(gaps) < 0.8, gaps  # never as long as the deadline without a chunk
