@@ -58,6 +58,36 @@ async def test_a_caller_that_gives_up_leaves_the_connection_in_step(
     assert await wire.call("GET", "n") == b"1"
 
 
+async def test_commands_sent_together_leave_in_one_write_and_each_gets_its_own_reply(
+    pair: tuple[aioredis.Redis, Wire],
+) -> None:
+    """Many callers in one turn of the loop (requests ending together): one write, and every
+    reply still goes to the caller that asked, whatever the mix of answers and errors."""
+    client, wire = pair
+    await wire.call("PING")  # connected
+    protocol = wire._protocol
+    assert protocol is not None and protocol.transport is not None
+    writes: list[bytes] = []
+    real_write = protocol.transport.write
+
+    def counted(data: bytes) -> None:
+        writes.append(data)
+        real_write(data)
+
+    protocol.transport.write = counted  # type: ignore[method-assign]
+    calls = [
+        wire.call("INCR", "not-a-number-key") if i == 7 else wire.call("ECHO", f"v{i}")
+        for i in range(50)
+    ]
+    await client.set("not-a-number-key", "x")  # the calls start in gather: INCR fails on "x"
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert len(writes) == 1
+    assert isinstance(results[7], ResponseError)
+    assert [r for i, r in enumerate(results) if i != 7] == [
+        f"v{i}".encode() for i in range(50) if i != 7
+    ]
+
+
 async def test_a_command_past_its_deadline_fails_and_the_next_gets_its_own_reply(
     pair: tuple[aioredis.Redis, Wire],
 ) -> None:

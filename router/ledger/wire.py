@@ -10,10 +10,12 @@ in a FIFO. A caller that gives up (its deadline) leaves its future cancelled in 
 reply, when it comes, is read and dropped, so the connection stays in step. A lost connection
 fails every waiting command with ConnectionError (an OSError, which the ledger counts as Redis
 being away) and the next call connects again. A command's deadline is a timer on its future
-(TimeoutError), not a cancellation of its caller. Replies are parsed by hiredis' reader (the one
-redis-py uses): bulk strings as bytes, integers as int, arrays as lists, an error reply raised
-as :class:`redis.exceptions.ResponseError`. ``NOSCRIPT`` (Redis restarted, its script cache
-empty) runs the script by ``EVAL``, which caches it again.
+(TimeoutError), not a cancellation of its caller. The commands sent during one turn of the
+event loop leave in one write, after it (under load many requests end in the same turn).
+Replies are parsed by hiredis' reader (the one redis-py uses): bulk strings as bytes, integers
+as int, arrays as lists, an error reply raised as :class:`redis.exceptions.ResponseError`.
+``NOSCRIPT`` (Redis restarted, its script cache empty) runs the script by ``EVAL``, which
+caches it again.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class _Protocol(asyncio.Protocol):
         self.reader = hiredis.Reader(replyError=ResponseError)
         self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.lost: Exception | None = None
+        self._loop = asyncio.get_running_loop()
+        self._out: list[bytes] = []  # commands sent in this turn of the loop, written after it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.WriteTransport, transport)  # uvloop's is no subclass
@@ -80,14 +84,19 @@ class _Protocol(asyncio.Protocol):
                 future.set_exception(ConnectionError(f"redis connection lost: {self.lost}"))
 
     def send(self, command: bytes, timeout_s: float | None = None) -> asyncio.Future[Any]:
-        assert self.transport is not None
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future = self._loop.create_future()
         self.waiting.append(future)
-        self.transport.write(command)
+        if not self._out:
+            self._loop.call_soon(self._flush)
+        self._out.append(command)
         if timeout_s is not None:  # one timer, never cancelled: it finds the future answered
-            loop.call_later(timeout_s, _expire, future, timeout_s)
+            self._loop.call_later(timeout_s, _expire, future, timeout_s)
         return future
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self.transport is not None and self.lost is None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
 
 def _expire(future: asyncio.Future[Any], timeout_s: float) -> None:
