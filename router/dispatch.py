@@ -37,6 +37,8 @@ _log = structlog.get_logger("kvledger.dispatch")
 class Dispatcher:
     """Routes production requests; owned by the app, one per proxy instance."""
 
+    cancel_safe = True  # settle is one ledger commit (see Ledger.commit) and counters
+
     def __init__(self, fleet: Fleet, ledger: Ledger, policy: Policy, metrics: Metrics) -> None:
         self.fleet = fleet
         self.ledger = ledger

@@ -32,6 +32,10 @@ class Parsed:
 class Settler(Protocol):
     """What a flight reports to when it ends: the production or the eval dispatcher."""
 
+    # True when a cancellation during ``settle`` of a flight that ended well loses nothing (the
+    # ledger queues the step it was cancelled in), so the caller need not shield it.
+    cancel_safe: bool
+
     def release(self, flight: Flight) -> None: ...
 
     async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]: ...

@@ -73,12 +73,24 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_FleetCollector(fleet, ledger_stats))
+        # Each (replica, status)'s children, looked up once: labels() costs more than the update.
+        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def observe(self, record: dict[str, Any], latency_s: float) -> None:
-        replica = str(record["replica"])
-        self.requests.labels(replica, record["status"]).inc()
-        self.latency.labels(replica).observe(latency_s)
-        self.ttft.labels(replica).observe(float(record["ttft_ms"]) / 1000)
+        key = (str(record["replica"]), str(record["status"]))
+        children = self._children.get(key)
+        if children is None:
+            replica, status = key
+            children = (
+                self.requests.labels(replica, status),
+                self.latency.labels(replica),
+                self.ttft.labels(replica),
+            )
+            self._children[key] = children
+        requests, latency, ttft = children
+        requests.inc()
+        latency.observe(latency_s)
+        ttft.observe(float(record["ttft_ms"]) / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -208,6 +208,44 @@ async def test_a_step_whose_reply_was_lost_runs_once(
     await ledger.close()
 
 
+@pytest.mark.parametrize("path", ["wire", "redis-py"])
+async def test_a_commit_cancelled_on_its_way_is_still_recorded_once(
+    client: aioredis.Redis, tmp_path: Path, path: str
+) -> None:
+    """A request whose client left while its step was on its way to Redis (here: Redis paused,
+    the caller cancelled meanwhile) still leaves its record, once, and the next request chains
+    after it: on the request path's wire (here the step script is not cached yet, so the
+    command sent first only asks for it) and on redis-py (which drops a cancelled command's
+    connection)."""
+    ledger = make_ledger(client, tmp_path / "spool")
+    await ledger.start()
+    if path == "redis-py":
+        ledger._wire = None  # as for a TLS or unix-socket Redis
+    head = await fresh_chain(ledger)
+    await client.execute_command("CLIENT", "PAUSE", 500, "ALL")
+    task = asyncio.create_task(ledger.commit(record(1, generation=head.generation)))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stored: list[dict[str, object]] = []
+
+    async def look() -> None:
+        stored[:] = await lineage(client)
+
+    for _ in range(250):
+        await look()
+        if stored:
+            break
+        await asyncio.sleep(0.02)
+    after = await ledger.commit(record(2, generation=head.generation))
+    await look()
+    assert [r["request_id"] for r in stored] == ["req-0001", "req-0002"]
+    assert stored[0]["state_before"] == head.state
+    assert after["state_before"] == stored[0]["state_after"]
+    await ledger.close()
+
+
 async def test_a_retry_too_late_to_be_sure_moves_to_an_unknown_state(
     client: aioredis.Redis, tmp_path: Path
 ) -> None:

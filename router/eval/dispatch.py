@@ -57,6 +57,8 @@ def _no_redis(exc: LedgerError) -> Unavailable:
 
 
 class EvalDispatcher:
+    cancel_safe = False  # settle holds the run's turn: a cancelled one must still finish
+
     def __init__(
         self,
         fleet: Fleet,

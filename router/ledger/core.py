@@ -189,6 +189,9 @@ class Ledger:
 
         Returns the record as stored. While Redis is away (or late steps wait to go first),
         the record is returned ``pending`` with empty chain fields, and its step is spooled.
+        Cancelled (its client left) while the step was on its way, the step is queued as if
+        Redis had not answered: it may have run, and its retry runs it at most once (the step
+        key). So a caller need not shield this call to keep the record.
         """
         if not self.redis_up:
             return self.defer(record, exact, tried=False)
@@ -196,6 +199,10 @@ class Ledger:
             return await self._step(record, exact, None)
         except LedgerUnavailable:
             return self.defer(record, exact, tried=True)
+        except asyncio.CancelledError:
+            if "seq" not in record:  # not stepped yet: the writer steps it
+                self.defer(record, exact, tried=True)
+            raise
 
     async def fenced_commit(self, record: Record, fence: Fence, *, exact: bool = True) -> Record:
         """The eval chain step, under the run's turn (``unordered`` when the turn was lost).
