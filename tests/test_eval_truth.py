@@ -115,9 +115,12 @@ def own_replica() -> Iterator[Replica]:
 def test_a_proxy_killed_mid_reset_leaves_a_replica_that_serves_again(
     own_replica: Replica, redis_server: RedisServer
 ) -> None:
-    """kill -9 of the proxy one second into a verified reset: after a restart the replica serves
-    again within a bounded time, in a new generation; the run says its reset was interrupted;
-    the arm's requests meanwhile get a fast 503 with Retry-After."""
+    """kill -9 of the proxy in the middle of a verified reset (once the model is unloading):
+    after a restart the replica serves again within a bounded time, in a new generation; the
+    run says its reset was interrupted; the arm's requests meanwhile get a fast 503 with
+    Retry-After."""
+    import tritonclient.http as httpclient
+
     proxy = Proxy([own_replica], redis_server.url, extra="[eval]\nmin_production_replicas = 0")
     proxy.start()
     ledger = LedgerView(redis_server.url)
@@ -129,7 +132,12 @@ def test_a_proxy_killed_mid_reset_leaves_a_replica_that_serves_again(
     before = complete(prod, "before " + uuid.uuid4().hex)[2]["generation"]
     beginning = threading.Thread(target=lambda: cli(proxy, "runs", "begin", "arm-k"))
     beginning.start()
-    time.sleep(1.0)
+    # Not a fixed sleep: on a slow machine the CLI may not have reached the reset by then.
+    triton = httpclient.InferenceServerClient(own_replica.http_url.removeprefix("http://"))
+    deadline = time.monotonic() + 60
+    while triton.is_model_ready("ensemble"):
+        assert time.monotonic() < deadline, "the reset never began to unload the model"
+        time.sleep(0.01)
     assert proxy.process is not None
     os.kill(proxy.process.pid, signal.SIGKILL)
     proxy.process.wait()
