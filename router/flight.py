@@ -64,11 +64,23 @@ class Flight:
     async def chunks(self) -> AsyncIterator[Chunk]:
         chunk: Chunk | None = self.first
         while chunk is not None:
-            self.pieces.append(chunk.text)
-            if chunk.stats is not None:
-                self.stats = chunk.stats
+            self._take(chunk)
             yield chunk
             chunk = None if chunk.final else await self._next()
+
+    async def collect(self) -> None:
+        """Read the flight to its end (a non-streamed answer): ``chunks()`` without a
+        generator to resume per chunk."""
+        chunk = self.first
+        while not self._take(chunk):
+            chunk = await self._next()
+
+    def _take(self, chunk: Chunk) -> bool:
+        """Keep the chunk's text and statistics; True for the last one."""
+        self.pieces.append(chunk.text)
+        if chunk.stats is not None:
+            self.stats = chunk.stats
+        return chunk.final
 
     async def _next(self) -> Chunk:
         try:

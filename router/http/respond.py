@@ -59,8 +59,7 @@ async def _end(flight: Flight, status: str) -> dict[str, Any]:
 
 async def _drain(flight: Flight, timeout_s: float) -> None:
     async with asyncio.timeout(timeout_s):
-        async for _ in flight.chunks():
-            pass
+        await flight.collect()
 
 
 async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.Response:

@@ -91,15 +91,16 @@ class KeyStore:
         return bool(doomed)
 
     async def lookup(self, raw_key: str) -> Profile | None:
-        """The key's profile: local cache while fresh; a stale entry serves while Redis is away."""
-        digest = key_hash(raw_key)
+        """The key's profile: local cache while fresh; a stale entry serves while Redis is away.
+        (The caches are keyed by the key itself, so a hit costs no hashing.)"""
         now = time.monotonic()
-        known = self._known.get(digest)
+        known = self._known.get(raw_key)
         if known is not None and known[1] > now:
             return known[0]
-        miss = self._misses.get(digest)
+        miss = self._misses.get(raw_key)
         if known is None and miss is not None and miss[1] > now:
             return None
+        digest = key_hash(raw_key)
         try:
             raw = await self._call(self._redis.hget(KEYS_HASH, digest))
         except LedgerUnavailable:
@@ -107,11 +108,11 @@ class KeyStore:
                 return known[0]
             raise
         if not raw:
-            self._known.drop(digest)
-            self._misses.put(digest, None, now)
+            self._known.drop(raw_key)
+            self._misses.put(raw_key, None, now)
             return None
         profile = Profile.from_json(raw)
-        self._known.put(digest, profile, now)
+        self._known.put(raw_key, profile, now)
         return profile
 
     @property
@@ -127,7 +128,7 @@ class KeyStore:
 
 
 class _Lru:
-    """A bounded map of key hash -> (profile, expiry); the least recently used goes first."""
+    """A bounded map of key -> (profile, expiry); the least recently used goes first."""
 
     def __init__(self, size: int, ttl_s: float) -> None:
         self.size, self.ttl_s = size, ttl_s
@@ -136,20 +137,20 @@ class _Lru:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, digest: str) -> tuple[Profile | None, float] | None:
-        entry = self._entries.get(digest)
+    def get(self, key: str) -> tuple[Profile | None, float] | None:
+        entry = self._entries.get(key)
         if entry is not None:
-            self._entries.move_to_end(digest)
+            self._entries.move_to_end(key)
         return entry
 
-    def put(self, digest: str, profile: Profile | None, now: float) -> None:
-        self._entries[digest] = (profile, now + self.ttl_s)
-        self._entries.move_to_end(digest)
+    def put(self, key: str, profile: Profile | None, now: float) -> None:
+        self._entries[key] = (profile, now + self.ttl_s)
+        self._entries.move_to_end(key)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
 
-    def drop(self, digest: str) -> None:
-        self._entries.pop(digest, None)
+    def drop(self, key: str) -> None:
+        self._entries.pop(key, None)
 
     def clear(self) -> None:
         self._entries.clear()
