@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -47,6 +48,8 @@ from router.cli.local import RedisServer, create_key
 
 DIRECT = "Triton direct"
 FLOOR = "aiohttp pass-through"
+# The same pass-through asking the replica as kvledger does: tokens streamed, collected.
+FLOOR_TOKENS = "aiohttp pass-through, tokens collected"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -182,7 +185,8 @@ def main() -> None:
             proxy = stack.enter_context(nginx(f"127.0.0.1:{replica.http_port}"))
             notes = [] if proxy else ["nginx is not installed: skipped (apt-get install nginx)"]
             targets += [proxy] if proxy else []
-            targets.append(stack.enter_context(passthrough(replica.http_url)))
+            floor = stack.enter_context(passthrough(replica.http_url))
+            targets += [floor, replace(floor, name=FLOOR_TOKENS, tokens=True)]
             transports = args.transports.split(",")
             targets += _kvledger_targets(stack, replica, redis.url, transports)
             results = asyncio.run(measure(targets, args, redis.url))
@@ -190,7 +194,7 @@ def main() -> None:
     finally:
         redis.close()
         shutil.rmtree(root, ignore_errors=True)
-    text = render(results, DIRECT, FLOOR, _header(args, results))
+    text = render(results, DIRECT, [FLOOR, FLOOR_TOKENS], _header(args, results))
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -66,7 +66,10 @@ def request_for(target: Target, stream: bool, max_tokens: int) -> tuple[str, byt
     payload = {"text_input": PROMPT, "max_tokens": max_tokens}
     if not target.kvledger:
         payload |= {**_ENGINE_FLAGS, "stream": stream}
-    return target.base + target.path + ("_stream" if stream else ""), orjson.dumps(payload)
+    if stream:
+        return target.base + target.path + "_stream", orjson.dumps(payload)
+    collect = "/collect" if target.tokens else ""
+    return target.base + collect + target.path, orjson.dumps(payload)
 
 
 def check_body(target: Target, data: bytes) -> str | None:

@@ -20,6 +20,9 @@ def test_overhead_benchmark_runs_and_checks_every_response(tmp_path: Path) -> No
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = out.read_text()
     assert "none: every response was checked and passed" in report
-    for target in ("aiohttp pass-through", "kvledger http /generate", "kvledger grpc /generate"):
+    targets = ["aiohttp pass-through", "aiohttp pass-through, tokens collected"]
+    targets += ["kvledger http /generate", "kvledger grpc /generate"]
+    for target in targets:
         assert f"| {target} |" in report, report
+    assert "floor: aiohttp pass-through, tokens collected" in report
     assert "kvledger http /v1/completions" in report
