@@ -46,6 +46,7 @@ from backends.triton_control import TritonControl
 from backends.triton_grpc import Input, StreamCall, StreamChannel, infer_request
 from backends.triton_grpc import tensor as _tensor
 
+_NUMBERS = (int, float)
 _STATS = {
     "kv_cache_reused_blocks": "reused_blocks",
     "kv_cache_alloc_new_blocks": "new_blocks",
@@ -123,7 +124,7 @@ def parse_stats(outputs: Mapping[str, Any], base: EngineStats | None = None) -> 
             value = value[0]
         # Plain numbers (JSON) are taken as they are; numpy arrays (tritonclient) unpacked.
         values[field_name] = int(
-            value if isinstance(value, int | float) else np.asarray(value).reshape(-1)[0]
+            value if isinstance(value, _NUMBERS) else np.asarray(value).reshape(-1)[0]
         )
     if not values:
         return base
