@@ -127,8 +127,10 @@ class Flight:
             raise RuntimeError("finish() called twice")
         self.finished = True
         self.dispatcher.release(self)
-        if status != "ok":
-            await self.stream.aclose()  # cancels the request inside Triton
+        # Not ok: cancels the request inside Triton. Ok: the stream has given its last chunk;
+        # closed here it ends now, instead of being finalized later by the event loop (a
+        # thread-safe wake-up and a task per request).
+        await self.stream.aclose()
         outcome = Outcome(
             status=status,
             output=self.text,
