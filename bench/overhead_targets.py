@@ -109,7 +109,7 @@ def replica_toml(replica: Replica, transport: str | None) -> str:
     )
 
 
-def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -130,7 +130,7 @@ def passthrough(upstream: str) -> Iterator[Target]:
     command = [sys.executable, "-m", "bench.overhead_passthrough", "--port", str(port)]
     process = subprocess.Popen([*command, "--upstream", upstream])
     try:
-        _wait_http(f"http://127.0.0.1:{port}/", process)
+        wait_http(f"http://127.0.0.1:{port}/", process)
         yield Target("aiohttp pass-through", f"http://127.0.0.1:{port}", GENERATE, [process.pid])
     finally:
         process.terminate()
@@ -179,7 +179,7 @@ def nginx(upstream_hostport: str) -> Iterator[Target | None]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_http(f"http://127.0.0.1:{port}/v2/health/live", process)
+        wait_http(f"http://127.0.0.1:{port}/v2/health/live", process)
         yield Target("nginx", f"http://127.0.0.1:{port}", GENERATE, [process.pid])
     finally:
         process.terminate()

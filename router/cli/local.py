@@ -159,9 +159,11 @@ class ProxyProcess:
         except OSError:
             return ""
 
-    def start(self, timeout_s: float = 60) -> None:
-        """Start it and wait until ``/readyz`` answers; LocalError with the log's tail if not."""
-        command = [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config)]
+    def start(self, timeout_s: float = 60, python: list[str] | None = None) -> None:
+        """Start it and wait until ``/readyz`` answers; LocalError with the log's tail if not.
+        ``python``: the interpreter's command line (a profiler's wrapper), this one's if None."""
+        command = [*(python or [sys.executable]), "-m", "router.cli", "serve"]
+        command += ["--config", str(self.config)]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=proxy_env(self.admin_token)

@@ -1,0 +1,239 @@
+"""What the proxy costs every request, counted rather than timed: instructions and system calls.
+
+``bench/overhead.py`` times CPU from /proc, which a shared machine makes noisy (other guests,
+other work): two rounds of the same code differ by a fifth. This benchmark counts instead, in
+front of the same trivial Triton model, for the bare pass-through (the issue's floor), the same
+pass-through asking the replica as kvledger asks it (tokens streamed, collected), and kvledger
+with the ledger on:
+
+- user-space instructions per request, from callgrind (valgrind), counted only while the
+  measured requests run (instrumentation switched on after a warm-up): repeatable to about a
+  percent, whatever else the machine does, but blind to the kernel;
+- system calls per request, from ``strace -c`` on a separate, unslowed run: the kernel side.
+
+Prints both, with ratios to the floor, and writes ``docs/results/overhead-counts.md``. Needs
+``valgrind`` and ``strace`` (``apt-get install valgrind strace``); stops with a message if
+either is missing.
+
+    .venv/bin/python -m bench.overhead_counts [--requests 400] [--concurrency 8]
+                                              [--out docs/results/overhead-counts.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import aiohttp
+
+from backends.sim.launcher import Replica, free_ports
+from bench.overhead_client import run_phase
+from bench.overhead_targets import GENERATE, Target, replica_toml, trivial_triton, wait_http
+from router.cli.local import ProxyProcess, RedisServer, create_key
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOOR = "aiohttp pass-through"
+FLOOR_TOKENS = "aiohttp pass-through, tokens collected"
+KVLEDGER = "kvledger http /generate"
+
+
+@dataclass
+class Counts:
+    instructions: float = 0.0  # per request
+    syscalls: Counter[str] | None = None  # per request, by name
+
+
+def load(target: Target, requests: int, concurrency: int) -> None:
+    """``requests`` checked requests to ``target``; any failure stops the benchmark."""
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            phase = await run_phase(
+                session, target, n=requests, concurrency=concurrency, stream=False, max_tokens=4
+            )
+        if phase.failures:
+            failed = len(phase.failures)
+            raise SystemExit(f"{target.name}: {failed} failed, e.g. {phase.failures[0]}")
+
+    asyncio.run(run())
+
+
+def callgrind(pid: int, out_prefix: Path, measured: Callable[[], None], requests: int) -> float:
+    """Instructions per request of ``measured()``: instrumentation on, run, dump, read."""
+    subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True, timeout=300)
+    measured()
+    # A dump holds what was counted since the previous one; it is written as the process runs
+    # on, so wait for its totals line.
+    subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, timeout=300)
+    found = None
+    for _ in range(600):
+        dumps = sorted(out_prefix.parent.glob(f"{out_prefix.name}.{pid}*"), key=os.path.getmtime)
+        text = dumps[-1].read_text(errors="replace") if dumps else ""
+        found = re.search(r"^(?:summary|totals):\s*(\d+)", text, re.MULTILINE)
+        if found is not None:
+            break
+        time.sleep(0.1)
+    if found is None:
+        raise SystemExit(f"no callgrind totals for pid {pid} in {out_prefix.parent}")
+    for dump in dumps:
+        dump.unlink()
+    return int(found.group(1)) / requests
+
+
+def strace(pid: int, workdir: Path, measured: Callable[[], None], requests: int) -> Counter[str]:
+    """System calls per request of ``measured()``, by name (every thread of ``pid``)."""
+    out = workdir / f"strace.{pid}"
+    tracer = subprocess.Popen(
+        ["strace", "-c", "-f", "-p", str(pid), "-o", str(out)], stderr=subprocess.DEVNULL
+    )
+    time.sleep(1.0)  # attached to every thread
+    measured()
+    tracer.send_signal(signal.SIGINT)
+    tracer.wait(timeout=60)
+    calls: Counter[str] = Counter()
+    for line in out.read_text().splitlines():
+        parts = line.split()
+        # "% time  seconds  usecs/call  calls  [errors]  syscall"
+        if len(parts) >= 5 and parts[3].isdigit() and parts[-1] != "total":
+            calls[parts[-1]] = int(parts[3])
+    return Counter({name: count / requests for name, count in calls.items()})
+
+
+@contextlib.contextmanager
+def passthrough(upstream: str, python: list[str]) -> Iterator[tuple[Target, int]]:
+    port = free_ports(1)[0]
+    command = [*python, "-m", "bench.overhead_passthrough", "--port", str(port)]
+    process = subprocess.Popen([*command, "--upstream", upstream], cwd=ROOT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", process, timeout_s=600)
+        yield Target(FLOOR, f"http://127.0.0.1:{port}", GENERATE), process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def kvledger(
+    replica: Replica, redis_url: str, key: str, python: list[str]
+) -> Iterator[tuple[Target, int]]:
+    proxy = ProxyProcess(replica_toml(replica, "http"), redis_url)
+    proxy.start(timeout_s=600, python=python)
+    assert proxy.process is not None
+    try:
+        auth = {"Authorization": f"Bearer {key}"}
+        yield Target(KVLEDGER, proxy.url, GENERATE, headers=auth, kvledger=True), proxy.process.pid
+    finally:
+        proxy.stop(timeout_s=300)
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Counts]:
+    counts = {name: Counts() for name in (FLOOR, FLOOR_TOKENS, KVLEDGER)}
+    prefix = workdir / "callgrind.out"
+    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
+    valgrind += [f"--callgrind-out-file={prefix}.%p", sys.executable]
+    redis = RedisServer()
+    redis.start()
+    try:
+        with trivial_triton(workdir) as replica:
+            key = create_key(redis.url, "bench")
+            for tool, python in (("callgrind", valgrind), ("strace", [sys.executable])):
+                with passthrough(replica.http_url, python) as (floor, pid):
+                    tokens = replace(floor, name=FLOOR_TOKENS, tokens=True)
+                    for target in (floor, tokens):
+                        _count(tool, counts[target.name], target, pid, args, prefix, workdir)
+                with kvledger(replica, redis.url, key, python) as (target, pid):
+                    _count(tool, counts[KVLEDGER], target, pid, args, prefix, workdir)
+                print(f"{tool}: done", file=sys.stderr, flush=True)
+    finally:
+        redis.close()
+    return counts
+
+
+def _count(
+    tool: str,
+    into: Counts,
+    target: Target,
+    pid: int,
+    args: argparse.Namespace,
+    prefix: Path,
+    workdir: Path,
+) -> None:
+    load(target, 100, args.concurrency)  # warm-up: connections, caches, first requests
+
+    def measured() -> None:
+        load(target, args.requests, args.concurrency)
+
+    if tool == "callgrind":
+        into.instructions = callgrind(pid, prefix, measured, args.requests)
+    else:
+        into.syscalls = strace(pid, workdir, measured, args.requests)
+
+
+def render(counts: dict[str, Counts], args: argparse.Namespace) -> str:
+    floor = counts[FLOOR]
+    per_target = [c.syscalls or Counter[str]() for c in counts.values()]
+    names = sorted({name for calls in per_target for name in calls})
+    shown = [n for n in names if any(calls[n] >= 0.05 for calls in per_target)]
+    lines = [
+        "# Proxy overhead, counted: instructions and system calls per request",
+        "",
+        f"Command: `python -m bench.overhead_counts --requests {args.requests} --concurrency "
+        f"{args.concurrency}`. Measured {time.strftime('%Y-%m-%d %H:%M %Z')}. The trivial "
+        "Triton model of `bench/overhead.py`; non-streamed requests, every response checked. "
+        "Instructions: user space only (callgrind, counted while the measured requests ran). "
+        "System calls: `strace -c` on a separate run, every thread of the process.",
+        "",
+        "| target | instructions per request | vs floor | system calls per request | vs floor |"
+        + "".join(f" {n} |" for n in shown),
+        "|---|---|---|---|---|" + "---|" * len(shown),
+    ]
+    floor_calls = sum((floor.syscalls or Counter[str]()).values())
+    for name, c in counts.items():
+        calls = c.syscalls or Counter[str]()
+        total = sum(calls.values())
+        ratio = c.instructions / floor.instructions
+        lines.append(
+            f"| {name} | {c.instructions / 1000:,.0f}k | {ratio:.2f}× "
+            f"| {total:.2f} | {total / floor_calls:.2f}× |"
+            + "".join(f" {calls.get(n, 0.0):.2f} |" for n in shown)
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=8)
+    out = ROOT / "docs" / "results" / "overhead-counts.md"
+    parser.add_argument("--out", type=Path, default=out)
+    args = parser.parse_args()
+    tools = ("valgrind", "callgrind_control", "strace")
+    missing = [tool for tool in tools if not shutil.which(tool)]
+    if missing:
+        raise SystemExit(f"needs {', '.join(missing)}: apt-get install valgrind strace")
+    workdir = Path(tempfile.mkdtemp(prefix="kvl-counts-"))
+    try:
+        counts = measure(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    text = render(counts, args)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
