@@ -50,8 +50,9 @@ def _too_long(request: web.Request) -> GatewayTimeout:
 
 async def _end(flight: Flight, status: str) -> dict[str, Any]:
     # A cancelled handler must still release the replica and write the record: shielded,
-    # unless nothing can be lost (a production flight that ended well: no stream to close, and
-    # the ledger keeps a step it was cancelled in), which spares a task per request.
+    # unless nothing can be lost (a production flight that ended well: its stream has ended, so
+    # closing it waits on nothing, and the ledger keeps a step it was cancelled in), which
+    # spares a task per request.
     if status == "ok" and flight.dispatcher.cancel_safe:
         return await flight.finish(status)
     return await asyncio.shield(flight.finish(status))
