@@ -15,7 +15,7 @@ Prints both, with ratios to the floor, and writes ``docs/results/overhead-counts
 ``valgrind`` and ``strace`` (``apt-get install valgrind strace``); stops with a message if
 either is missing.
 
-    .venv/bin/python -m bench.overhead_counts [--requests 400] [--concurrency 8]
+    .venv/bin/python -m bench.overhead_counts [--requests 400] [--concurrency 8] [--warmup 100]
                                               [--out docs/results/overhead-counts.md]
 """
 
@@ -171,7 +171,7 @@ def _count(
     prefix: Path,
     workdir: Path,
 ) -> None:
-    load(target, 100, args.concurrency)  # warm-up: connections, caches, first requests
+    load(target, args.warmup, args.concurrency)  # connections, caches, first requests
 
     def measured() -> None:
         load(target, args.requests, args.concurrency)
@@ -217,6 +217,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=100, help="requests before counting")
     out = ROOT / "docs" / "results" / "overhead-counts.md"
     parser.add_argument("--out", type=Path, default=out)
     args = parser.parse_args()

@@ -1,13 +1,18 @@
-"""`python -m bench.overhead` runs as the README and issue 12 say, on a few requests.
+"""`python -m bench.overhead` and `python -m bench.overhead_counts` run as the README and issue
+12 say, on a few requests.
 
-Only that it runs and checks every response: timings are the benchmark's business, not a test's.
+Only that they run, check every response and count every target: timings and counts are the
+benchmarks' business, not a test's.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,3 +31,28 @@ def test_overhead_benchmark_runs_and_checks_every_response(tmp_path: Path) -> No
         assert f"| {target} |" in report, report
     assert "floor: aiohttp pass-through, tokens collected" in report
     assert "kvledger http /v1/completions" in report
+
+
+@pytest.mark.skipif(
+    not (shutil.which("valgrind") and shutil.which("strace")),
+    reason="needs valgrind and strace (scripts/setup installs them as root)",
+)
+def test_overhead_counts_benchmark_counts_every_target(tmp_path: Path) -> None:
+    out = tmp_path / "counts.md"
+    command = [sys.executable, "-m", "bench.overhead_counts", "--requests", "20"]
+    command += ["--concurrency", "2", "--warmup", "10", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = {}
+    for line in out.read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0].startswith(("aiohttp", "kvledger")):
+            rows[cells[0]] = cells
+    assert set(rows) == {
+        "aiohttp pass-through",
+        "aiohttp pass-through, tokens collected",
+        "kvledger http /generate",
+    }
+    for cells in rows.values():
+        instructions, calls = float(cells[1].rstrip("k").replace(",", "")), float(cells[3])
+        assert instructions > 10 and calls > 1, cells  # counted, per request
