@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import re
 import shutil
@@ -33,16 +32,15 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 
-from backends.sim.launcher import Replica, free_ports
 from bench.overhead_client import run_phase
-from bench.overhead_targets import GENERATE, Target, replica_toml, trivial_triton, wait_http
-from router.cli.local import ProxyProcess, RedisServer, create_key
+from bench.overhead_targets import GENERATE, Target, kvledger, passthrough, trivial_triton
+from router.cli.local import RedisServer, create_key
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR = "aiohttp pass-through"
@@ -112,33 +110,6 @@ def strace(pid: int, workdir: Path, measured: Callable[[], None], requests: int)
     return Counter({name: count / requests for name, count in calls.items()})
 
 
-@contextlib.contextmanager
-def passthrough(upstream: str, python: list[str]) -> Iterator[tuple[Target, int]]:
-    port = free_ports(1)[0]
-    command = [*python, "-m", "bench.overhead_passthrough", "--port", str(port)]
-    process = subprocess.Popen([*command, "--upstream", upstream], cwd=ROOT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/", process, timeout_s=600)
-        yield Target(FLOOR, f"http://127.0.0.1:{port}", GENERATE), process.pid
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
-@contextlib.contextmanager
-def kvledger(
-    replica: Replica, redis_url: str, key: str, python: list[str]
-) -> Iterator[tuple[Target, int]]:
-    proxy = ProxyProcess(replica_toml(replica, "http"), redis_url)
-    proxy.start(timeout_s=600, python=python)
-    assert proxy.process is not None
-    try:
-        auth = {"Authorization": f"Bearer {key}"}
-        yield Target(KVLEDGER, proxy.url, GENERATE, headers=auth, kvledger=True), proxy.process.pid
-    finally:
-        proxy.stop(timeout_s=300)
-
-
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Counts]:
     counts = {name: Counts() for name in (FLOOR, FLOOR_TOKENS, KVLEDGER)}
     prefix = workdir / "callgrind.out"
@@ -149,12 +120,17 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Counts]:
     try:
         with trivial_triton(workdir) as replica:
             key = create_key(redis.url, "bench")
-            for tool, python in (("callgrind", valgrind), ("strace", [sys.executable])):
-                with passthrough(replica.http_url, python) as (floor, pid):
+            auth = {"Authorization": f"Bearer {key}"}
+            for tool, python in (("callgrind", valgrind), ("strace", None)):
+                with passthrough(replica.http_url, python) as floor:
                     tokens = replace(floor, name=FLOOR_TOKENS, tokens=True)
                     for target in (floor, tokens):
+                        pid = floor.pids[0]
                         _count(tool, counts[target.name], target, pid, args, prefix, workdir)
-                with kvledger(replica, redis.url, key, python) as (target, pid):
+                with kvledger(replica, redis.url, "http", python) as proxy:
+                    assert proxy.process is not None
+                    pid = proxy.process.pid
+                    target = Target(KVLEDGER, proxy.url, GENERATE, headers=auth, kvledger=True)
                     _count(tool, counts[KVLEDGER], target, pid, args, prefix, workdir)
                 print(f"{tool}: done", file=sys.stderr, flush=True)
     finally:

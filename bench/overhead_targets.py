@@ -30,6 +30,7 @@ from backends.sim.launcher import (
 from bench.overhead_model import MODEL, write_repository
 from router.cli.local import ProxyProcess
 
+ROOT = Path(__file__).resolve().parents[1]
 GENERATE = f"/v2/models/{MODEL}/generate"
 COMPLETIONS = "/v1/completions"
 
@@ -125,16 +126,20 @@ def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 30)
 
 
 @contextlib.contextmanager
-def passthrough(upstream: str) -> Iterator[Target]:
+def passthrough(upstream: str, python: list[str] | None = None) -> Iterator[Target]:
+    """The bare pass-through; ``python``: the interpreter's command line (a profiler's
+    wrapper, which starts and stops slowly), this one's if None."""
     port = free_ports(1)[0]
-    command = [sys.executable, "-m", "bench.overhead_passthrough", "--port", str(port)]
-    process = subprocess.Popen([*command, "--upstream", upstream])
+    command = [*(python or [sys.executable]), "-m", "bench.overhead_passthrough"]
+    command += ["--port", str(port), "--upstream", upstream]
+    process = subprocess.Popen(command, cwd=ROOT)
+    slow = 60 if python else 1
     try:
-        wait_http(f"http://127.0.0.1:{port}/", process)
+        wait_http(f"http://127.0.0.1:{port}/", process, timeout_s=30 * slow)
         yield Target("aiohttp pass-through", f"http://127.0.0.1:{port}", GENERATE, [process.pid])
     finally:
         process.terminate()
-        process.wait(timeout=10)
+        process.wait(timeout=10 * slow)
 
 
 NGINX_CONF = """worker_processes 1;
@@ -188,11 +193,15 @@ def nginx(upstream_hostport: str) -> Iterator[Target | None]:
 
 
 @contextlib.contextmanager
-def kvledger(replica: Replica, redis_url: str, transport: str | None) -> Iterator[ProxyProcess]:
-    """``kvledger serve`` in front of the replica, ledger on, as a user starts it."""
+def kvledger(
+    replica: Replica, redis_url: str, transport: str | None, python: list[str] | None = None
+) -> Iterator[ProxyProcess]:
+    """``kvledger serve`` in front of the replica, ledger on, as a user starts it (``python``:
+    as for :func:`passthrough`)."""
     proxy = ProxyProcess(replica_toml(replica, transport), redis_url)
-    proxy.start()
+    slow = 10 if python else 1
+    proxy.start(timeout_s=60 * slow, python=python)
     try:
         yield proxy
     finally:
-        proxy.stop()
+        proxy.stop(timeout_s=30 * slow)
