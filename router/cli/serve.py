@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -43,23 +44,52 @@ class _AnsweredBodyErrors(logging.Filter):
 
 
 def serve(settings: Settings, print_ready: bool = True) -> None:
-    """Run until SIGINT or SIGTERM; aiohttp runs the cleanup contexts on the way out."""
+    """Run until SIGINT or SIGTERM, as ``aiohttp.web.run_app`` runs an application (which this
+    cannot use: the server's handler is the edge, see ``router.http.edge``); the cleanup
+    contexts run on the way out."""
     from router.http.app import create_app  # imported here: other commands need not pay for it
 
     configure(settings.log_level)
     logging.getLogger("aiohttp.server").addFilter(_AnsweredBodyErrors())
     _event_loop_policy()
     app = create_app(settings)
-    if print_ready:
-        print(f"kvledger listening on http://{settings.host}:{settings.port}", flush=True)
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        print=None,
-        access_log=None,
-        handler_cancellation=True,
-    )
+    loop = asyncio.new_event_loop()
+    main = loop.create_task(_serve(app, settings, print_ready))
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not main.done():
+                main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(main)
+        finally:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            asyncio.set_event_loop(None)
+
+
+async def _serve(app: web.Application, settings: Settings, print_ready: bool) -> None:
+    from router.http.edge import install
+
+    # handle_signals: SIGINT and SIGTERM raise GracefulExit out of the loop (as run_app's).
+    runner = web.AppRunner(app, handle_signals=True, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    try:
+        install(runner)
+        await web.TCPSite(runner, settings.host, settings.port).start()
+        if print_ready:
+            print(f"kvledger listening on http://{settings.host}:{settings.port}", flush=True)
+        await asyncio.Event().wait()  # until a signal ends the loop
+    finally:
+        await runner.cleanup()
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -40,7 +40,6 @@ METRICS = web.AppKey("metrics", Metrics)
 DISPATCH = web.AppKey("dispatch", Dispatcher)
 EVAL = web.AppKey("eval", EvalDispatcher)
 RUNS = web.AppKey("runs", Runs)
-PRINCIPAL = web.RequestKey("principal", Principal)
 EPISODE_HEADER = "X-Kvl-Episode"
 
 ANONYMOUS = Principal(name="anonymous")
@@ -50,7 +49,7 @@ def new_request_id() -> str:
     return os.urandom(12).hex()  # secrets.token_hex(12), without its two Python layers
 
 
-def single_header(request: web.Request, name: str) -> str | None:
+def single_header(request: web.BaseRequest, name: str) -> str | None:
     """The header's one value, or None; 400 when the client sent it more than once."""
     values = request.headers.getall(name, ())
     if len(values) > 1:
@@ -65,7 +64,7 @@ def _key(value: str, header: str) -> str:
     return value
 
 
-def bearer(request: web.Request) -> str | None:
+def bearer(request: web.BaseRequest) -> str | None:
     """The client's key: ``Authorization: Bearer KEY``, else ``X-Api-Key``; None if neither."""
     scheme, _, token = (single_header(request, "Authorization") or "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
@@ -74,15 +73,15 @@ def bearer(request: web.Request) -> str | None:
     return _key(api_key, "X-Api-Key") if api_key else None
 
 
-async def authenticate(request: web.Request) -> Principal:
+async def authenticate(request: web.BaseRequest, app: web.Application) -> Principal:
     """The key's principal; 401 for a missing or unknown key unless anonymous use is allowed."""
     token = bearer(request)
     if token is None:
-        if request.app[SETTINGS].allow_anonymous:
+        if app[SETTINGS].allow_anonymous:
             return ANONYMOUS
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     try:
-        profile = await request.app[KEYS].lookup(token)
+        profile = await app[KEYS].lookup(token)
     except LedgerUnavailable as exc:
         raise Unavailable(
             "cannot check this API key while Redis is unreachable", headers={"Retry-After": "1"}
@@ -92,15 +91,14 @@ async def authenticate(request: web.Request) -> Principal:
     return Principal(name=profile.name, mode=profile.mode, profile=profile)
 
 
-async def open_flight(request: web.Request, parsed: Parsed) -> Flight:
+async def open_flight(app: web.Application, parsed: Parsed, principal: Principal) -> Flight:
     """Admit the request: an eval key's to its run, any other through production routing."""
-    principal = request[PRINCIPAL]
     if principal.mode == "eval":
-        return await request.app[EVAL].open(parsed, principal)
-    return await request.app[DISPATCH].open(parsed, principal)
+        return await app[EVAL].open(parsed, principal)
+    return await app[DISPATCH].open(parsed, principal)
 
 
-def episode(request: web.Request) -> str | None:
+def episode(request: web.BaseRequest) -> str | None:
     """The client's episode label for run diffs (``X-Kvl-Episode``), at most 128 characters."""
     value = (single_header(request, EPISODE_HEADER) or "").strip()
     if len(value) > 128 or not value.isprintable():  # an undecodable byte is not printable
@@ -111,7 +109,7 @@ def episode(request: web.Request) -> str | None:
     return value or None
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
+async def read_json(request: web.BaseRequest) -> dict[str, Any]:
     """The body as a JSON object; 400 when it cannot be read, decoded or parsed."""
     try:
         raw = await request.read()
@@ -128,11 +126,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return load_json(raw)
 
 
-def check_prompt(request: web.Request, parsed: Parsed, param: str) -> None:
+def check_prompt(app: web.Application, parsed: Parsed, param: str) -> None:
     """400 before any replica sees a prompt that is certainly too long for the model."""
     # The config's max_input_len, else the one the monitor read from the engine's own config.
     limits = [
         (r.settings.max_input_len or r.engine_max_input_len, r.settings.max_token_bytes)
-        for r in request.app[FLEET].serving(parsed.model)
+        for r in app[FLEET].serving(parsed.model)
     ]
     check_prompt_length(parsed.model, parsed.request.prompt, limits, param)

@@ -59,16 +59,22 @@ def _from_http(exc: web.HTTPException) -> KvlError:
     return error
 
 
+def error_answer(request: web.BaseRequest, exc: Exception) -> web.StreamResponse:
+    """The response to an exception a handler raised (re-raised when it is a redirect or the
+    like, which aiohttp answers itself)."""
+    if isinstance(exc, KvlError):
+        return error_response(exc)
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        return error_response(_from_http(exc))
+    _log.exception("unhandled_error", path=request.path, exc_info=exc)
+    return error_response(KvlError("internal error; see the proxy's log"))
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except KvlError as error:
-        return error_response(error)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(_from_http(exc))
-    except Exception:
-        _log.exception("unhandled_error", path=request.path)
-        return error_response(KvlError("internal error; see the proxy's log"))
+    except Exception as exc:
+        return error_answer(request, exc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -12,7 +11,6 @@ from aiohttp import web
 from router.errors import NotFound
 from router.flight import Parsed
 from router.http.context import (
-    PRINCIPAL,
     SETTINGS,
     authenticate,
     check_prompt,
@@ -90,41 +88,35 @@ class OpenAIReply(Reply):
         return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
 
 
-async def _serve(request: web.Request, parsed: Parsed, chat: bool) -> web.StreamResponse:
+async def serve_completion(
+    request: web.BaseRequest, app: web.Application, chat: bool
+) -> web.StreamResponse:
+    """``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    principal = await authenticate(request, app)
+    settings = app[SETTINGS]
+    body = await read_json(request)
+    label, cap = episode(request), settings.limits.max_tokens
+    if chat:
+        parsed = parse_chat(body, new_request_id(), settings.template, cap, label)
+    else:
+        parsed = parse_completion(body, new_request_id(), cap, label)
+    check_prompt(app, parsed, "messages" if chat else "prompt")
     reply = OpenAIReply(parsed, chat)
     if parsed.request.stream:
-        return await serve_stream(request, parsed, reply)
-    return await serve_json(request, parsed, reply)
+        return await serve_stream(request, app, parsed, principal, reply)
+    return await serve_json(app, parsed, principal, reply)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    principal = await authenticate(request)
-    settings = request.app[SETTINGS]
-    body = await read_json(request)
-    parsed = replace(
-        parse_chat(body, new_request_id(), settings.template, settings.limits.max_tokens),
-        episode=episode(request),
-    )
-    check_prompt(request, parsed, "messages")
-    request[PRINCIPAL] = principal
-    return await _serve(request, parsed, chat=True)
+    return await serve_completion(request, request.app, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    principal = await authenticate(request)
-    settings = request.app[SETTINGS]
-    body = await read_json(request)
-    parsed = replace(
-        parse_completion(body, new_request_id(), settings.limits.max_tokens),
-        episode=episode(request),
-    )
-    check_prompt(request, parsed, "prompt")
-    request[PRINCIPAL] = principal
-    return await _serve(request, parsed, chat=False)
+    return await serve_completion(request, request.app, chat=False)
 
 
 async def models(request: web.Request) -> web.Response:
-    await authenticate(request)
+    await authenticate(request, request.app)
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": "kvledger"}
         for m in request.app[SETTINGS].models
@@ -135,7 +127,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def model(request: web.Request) -> web.Response:
-    await authenticate(request)
+    await authenticate(request, request.app)
     name = request.match_info["model"]
     if name not in request.app[SETTINGS].models:
         raise NotFound(f"model '{name}' is not served here", param="model")

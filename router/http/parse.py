@@ -178,24 +178,37 @@ def _common(body: dict[str, Any], request_id: str, prompt: str, cap: int) -> Gen
     )
 
 
-def parse_chat(body: dict[str, Any], request_id: str, template_for: Any, cap: int) -> Parsed:
+def parse_chat(
+    body: dict[str, Any],
+    request_id: str,
+    template_for: Any,
+    cap: int,
+    episode: str | None = None,
+) -> Parsed:
     model = _model(body)
     prompt = render_chat(body.get("messages"), template_for(model))
-    return Parsed(model, _common(body, request_id, prompt, cap))
+    return Parsed(model, _common(body, request_id, prompt, cap), episode=episode)
 
 
-def parse_completion(body: dict[str, Any], request_id: str, cap: int) -> Parsed:
+def parse_completion(
+    body: dict[str, Any], request_id: str, cap: int, episode: str | None = None
+) -> Parsed:
     model = _model(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise BadRequest("'prompt' is required and must be a string", param="prompt")
-    return Parsed(model, _common(body, request_id, prompt, cap))
+    return Parsed(model, _common(body, request_id, prompt, cap), episode=episode)
 
 
 def parse_generate(
-    body: dict[str, Any], model: str, request_id: str, stream: bool, cap: int
+    body: dict[str, Any],
+    model: str,
+    request_id: str,
+    stream: bool,
+    cap: int,
+    episode: str | None = None,
 ) -> Parsed:
     """Triton's generate extension with TensorRT-LLM's ensemble input names."""
     prompt = body.get("text_input")
@@ -213,4 +226,4 @@ def parse_generate(
         **sampling,
     )
     echo = not _flag(body, "exclude_input_in_output", False)
-    return Parsed(model, request, echo_prompt=echo)
+    return Parsed(model, request, echo_prompt=echo, episode=episode)

@@ -18,7 +18,7 @@ from router.errors import GatewayTimeout, KvlError
 from router.flight import Flight, Parsed
 from router.http.context import SETTINGS, open_flight
 from router.http.errors import error_body
-from router.ledger.records import record_headers
+from router.ledger.records import Principal, record_headers
 
 _log = structlog.get_logger("kvledger.respond")
 
@@ -43,8 +43,8 @@ class Reply(ABC):
         return b""
 
 
-def _too_long(request: web.Request) -> GatewayTimeout:
-    limit = request.app[SETTINGS].limits.request_timeout_s
+def _too_long(app: web.Application) -> GatewayTimeout:
+    limit = app[SETTINGS].limits.request_timeout_s
     return GatewayTimeout(f"the request took longer than request_timeout_s ({limit:g} s)")
 
 
@@ -63,9 +63,11 @@ async def _drain(flight: Flight, timeout_s: float) -> None:
         await flight.collect()
 
 
-async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.Response:
-    settings = request.app[SETTINGS]
-    flight = await open_flight(request, parsed)
+async def serve_json(
+    app: web.Application, parsed: Parsed, principal: Principal, reply: Reply
+) -> web.Response:
+    settings = app[SETTINGS]
+    flight = await open_flight(app, parsed, principal)
     try:
         await _drain(flight, settings.limits.request_timeout_s)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -74,7 +76,7 @@ async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.
     except (KvlError, TimeoutError) as exc:
         await _end(flight, "error")
         if isinstance(exc, TimeoutError):
-            raise _too_long(request) from exc
+            raise _too_long(app) from exc
         raise
     except Exception:
         await _end(flight, "error")  # whatever escaped, the flight ends and leaves its record
@@ -87,9 +89,15 @@ async def serve_json(request: web.Request, parsed: Parsed, reply: Reply) -> web.
     )
 
 
-async def serve_stream(request: web.Request, parsed: Parsed, reply: Reply) -> web.StreamResponse:
-    settings = request.app[SETTINGS]
-    flight = await open_flight(request, parsed)
+async def serve_stream(
+    request: web.BaseRequest,
+    app: web.Application,
+    parsed: Parsed,
+    principal: Principal,
+    reply: Reply,
+) -> web.StreamResponse:
+    settings = app[SETTINGS]
+    flight = await open_flight(app, parsed, principal)
     response = web.StreamResponse()
     try:
         response.headers.update(flight.admission.headers(parsed.request.request_id))
@@ -109,7 +117,7 @@ async def serve_stream(request: web.Request, parsed: Parsed, reply: Reply) -> we
         return response
     except (KvlError, TimeoutError) as exc:
         await _end(flight, "error")
-        error = exc if isinstance(exc, KvlError) else _too_long(request)
+        error = exc if isinstance(exc, KvlError) else _too_long(app)
         # The status line went out with the first byte: the error is the last event, then the
         # stream ends (a client must never wait on a stream that will send nothing more).
         await response.write(reply.error_event(error_body(error.message, error.type, error.code)))

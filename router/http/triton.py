@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -11,7 +10,6 @@ from aiohttp import web
 from router.errors import NotFound
 from router.flight import Parsed
 from router.http.context import (
-    PRINCIPAL,
     SETTINGS,
     authenticate,
     check_prompt,
@@ -52,31 +50,31 @@ class TritonReply(Reply):
         return b"data: " + orjson.dumps(error) + b"\n\n"
 
 
-async def _generate(request: web.Request, stream: bool) -> web.StreamResponse:
-    principal = await authenticate(request)
-    settings = request.app[SETTINGS]
-    model = request.match_info["model"]
+async def serve_generate(
+    request: web.BaseRequest, app: web.Application, model: str, stream: bool
+) -> web.StreamResponse:
+    """``generate`` (``stream`` false) or ``generate_stream`` of ``model``."""
+    principal = await authenticate(request, app)
+    settings = app[SETTINGS]
     if model not in settings.models:
         raise NotFound(f"model '{model}' is not served here", param="model")
     body = await read_json(request)
-    parsed = replace(
-        parse_generate(body, model, new_request_id(), stream, settings.limits.max_tokens),
-        episode=episode(request),
-    )
-    check_prompt(request, parsed, "text_input")
-    request[PRINCIPAL] = principal
+    request_id = new_request_id()
+    cap = settings.limits.max_tokens
+    parsed = parse_generate(body, model, request_id, stream, cap, episode(request))
+    check_prompt(app, parsed, "text_input")
     reply = TritonReply(parsed)
     if stream:
-        return await serve_stream(request, parsed, reply)
-    return await serve_json(request, parsed, reply)
+        return await serve_stream(request, app, parsed, principal, reply)
+    return await serve_json(app, parsed, principal, reply)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, stream=False)
+    return await serve_generate(request, request.app, request.match_info["model"], False)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, stream=True)
+    return await serve_generate(request, request.app, request.match_info["model"], True)
 
 
 def routes() -> list[web.RouteDef]:
