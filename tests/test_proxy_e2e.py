@@ -227,3 +227,54 @@ def test_bad_input_gets_a_clear_4xx(
     assert response.status == status
     error = orjson.loads(response.data)["error"]
     assert error["message"] and error["type"] and error["code"]
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [
+        ("/v2/models/ensemble/generate", {}),  # the edge
+        ("/v2/models/ensemble/generate?trace=1", {}),  # a query string: the application's router
+        ("/v2/models/%65nsemble/generate", {}),  # a percent-escape: the router decodes it
+        ("/v2/models/ensemble/versions/1/generate", {}),
+        ("/v2/models/ensemble/generate", {"Expect": "100-continue"}),
+        ("/v1/completions", {}),
+        ("/v1/completions?trace=1", {}),
+    ],
+)
+def test_every_spelling_of_a_generation_route_is_served_alike(
+    stack: tuple[Proxy, str, LedgerView], path: str, headers: dict[str, str]
+) -> None:
+    """The generation routes answer the same whether the edge serves them or the application's
+    router does (router/http/edge.py): a 200 with the record in headers, body and Redis."""
+    proxy, key, ledger = stack
+    text = "spelling " + uuid.uuid4().hex
+    if path.startswith("/v1/"):
+        body: dict[str, Any] = {"model": "ensemble", "prompt": text, "max_tokens": 3}
+    else:
+        body = {"text_input": text, "max_tokens": 3}
+    response = post(proxy, path, body, key, **headers)
+    assert response.status == 200, response.data
+    record = orjson.loads(response.data)["kvledger"]
+    assert_annotated(response.headers, record, ledger.record(record["request_id"]))
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("POST", "/v2/models/nope/generate", 404),  # the edge: a model not served here
+        ("POST", "/v2/models/a{b/generate", 404),  # not a model name: the router's 404
+        ("POST", "/v2/models/ensemble/generate/", 404),
+        ("GET", "/v1/completions", 405),
+        ("GET", "/v2/models/ensemble/generate", 405),
+    ],
+)
+def test_refusals_around_the_generation_routes_are_openai_shaped(
+    stack: tuple[Proxy, str, LedgerView], method: str, path: str, status: int
+) -> None:
+    proxy, key, _ = stack
+    response = HTTP.request(
+        method, proxy.url + path, body=b"{}", headers={"Authorization": f"Bearer {key}"}
+    )
+    assert response.status == status
+    error = orjson.loads(response.data)["error"]
+    assert error["message"] and error["type"] and error["code"]
