@@ -18,6 +18,7 @@ import pytest
 import urllib3
 
 from backends.base import (
+    BackendFailed,
     BackendRejected,
     BackendUnavailable,
     Chunk,
@@ -361,3 +362,42 @@ async def test_a_slow_non_streamed_answer_still_shows_progress_before_its_end() 
     gaps = [later - earlier for earlier, later in zip(arrived, arrived[1:], strict=False)]
     assert len(arrived) >= 3, arrived  # 1.2 s of tokens: woken along the way, not only at the end
     assert max(gaps) < 0.8, gaps  # never as long as the deadline without a chunk
+
+
+@pytest.mark.parametrize(
+    ("events", "error", "message"),
+    [
+        # Tokens, then the engine failed, all in one read: it failed after producing (no
+        # failover: the replica's cache was touched), and its message is kept.
+        (
+            [b'data: {"text_output":"a"}\n\n', b'data: {"error":"engine fell over"}\n\n'],
+            BackendFailed,
+            "engine fell over",
+        ),
+        # A refusal before any token: the replica said no (a client's 4xx).
+        ([b'data: {"error":"bad stop words"}\n\n'], BackendRejected, "bad stop words"),
+        # A garbled event among good ones is named.
+        (
+            [b'data: {"text_output":"a"}\n\n', b"data: {not json\n\n"],
+            BackendFailed,
+            "not a JSON event",
+        ),
+    ],
+)
+async def test_an_error_or_garbled_event_among_others_in_one_read_is_told_apart(
+    events: list[bytes], error: type[Exception], message: str
+) -> None:
+    """The events of one read are parsed together; an error or a garbled event among them
+    still raises what it would have raised alone, in order."""
+    body = _chunked_events(events)
+
+    async def at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_HEAD + body)
+        await writer.drain()
+        writer.close()
+
+    for stream in (True, False):
+        async with served_by(at_once) as backend:
+            with pytest.raises(error, match=message):
+                await collect(backend, GenerationRequest("p", "x", max_tokens=2, stream=stream))
