@@ -1,13 +1,28 @@
-"""Prometheus metrics of one proxy instance, in a registry of its own (no global state)."""
+"""Prometheus metrics of one proxy instance, in a registry of its own (no global state).
+
+The per-request series (``kvl_requests_total``, ``kvl_request_latency_seconds``,
+``kvl_time_to_first_token_seconds``) are plain numbers that a request updates in place and the
+scrape turns into metric families: prometheus_client's ``Counter`` and ``Histogram`` take a
+lock and a few calls per update, which every request paid three times; the proxy runs on one
+event loop, and the scrape runs on it too, so nothing else can see a half-made update.
+"""
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from router.fleet import Fleet
 
@@ -52,45 +67,85 @@ class _FleetCollector(Collector):
         yield up
 
 
+class _Histogram:
+    """Counts per bucket (not cumulative; the last is above every bound) and their sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_LATENCY_BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(_LATENCY_BUCKETS, value)] += 1  # le: value <= bound
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        bounds = [*map(floatToGoString, _LATENCY_BUCKETS), "+Inf"]
+        running, cumulative = 0, []
+        for bound, count in zip(bounds, self.counts, strict=True):
+            running += count
+            cumulative.append((bound, float(running)))
+        return cumulative
+
+
+class _Replica:
+    """One replica's per-request series."""
+
+    __slots__ = ("statuses", "created", "latency", "ttft")
+
+    def __init__(self) -> None:
+        self.statuses: dict[str, int] = {}
+        self.created: dict[str, float] = {}
+        self.latency = _Histogram()
+        self.ttft = _Histogram()
+
+
+class _RequestCollector(Collector):
+    def __init__(self, replicas: dict[str, _Replica]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "kvl_requests", "Proxied requests", labels=["replica", "status"]
+        )
+        latency = HistogramMetricFamily(
+            "kvl_request_latency_seconds", "End-to-end latency", labels=["replica"]
+        )
+        ttft = HistogramMetricFamily(
+            "kvl_time_to_first_token_seconds",
+            "Time to first token reported by the engine",
+            labels=["replica"],
+        )
+        for replica_id, replica in sorted(self._replicas.items()):
+            for status, count in sorted(replica.statuses.items()):
+                created = replica.created[status]
+                requests.add_metric([replica_id, status], count, created=created)
+            latency.add_metric([replica_id], replica.latency.buckets(), replica.latency.total)
+            ttft.add_metric([replica_id], replica.ttft.buckets(), replica.ttft.total)
+        yield from (requests, latency, ttft)
+
+
 class Metrics:
     def __init__(self, fleet: Fleet, ledger_stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "kvl_requests", "Proxied requests", ["replica", "status"], registry=self.registry
-        )
-        self.latency = Histogram(
-            "kvl_request_latency_seconds",
-            "End-to-end latency",
-            ["replica"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "kvl_time_to_first_token_seconds",
-            "Time to first token reported by the engine",
-            ["replica"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
+        self._replicas: dict[str, _Replica] = {}
+        self.registry.register(_RequestCollector(self._replicas))
         self.registry.register(_FleetCollector(fleet, ledger_stats))
-        # Each (replica, status)'s children, looked up once: labels() costs more than the update.
-        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def observe(self, record: dict[str, Any], latency_s: float) -> None:
-        key = (str(record["replica"]), str(record["status"]))
-        children = self._children.get(key)
-        if children is None:
-            replica, status = key
-            children = (
-                self.requests.labels(replica, status),
-                self.latency.labels(replica),
-                self.ttft.labels(replica),
-            )
-            self._children[key] = children
-        requests, latency, ttft = children
-        requests.inc()
-        latency.observe(latency_s)
-        ttft.observe(float(record["ttft_ms"]) / 1000)
+        replica_id, status = str(record["replica"]), str(record["status"])
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            replica = self._replicas[replica_id] = _Replica()
+        statuses = replica.statuses
+        if status in statuses:
+            statuses[status] += 1
+        else:
+            statuses[status] = 1
+            replica.created[status] = time.time()
+        replica.latency.observe(latency_s)
+        replica.ttft.observe(float(record["ttft_ms"]) / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -278,3 +278,47 @@ def test_refusals_around_the_generation_routes_are_openai_shaped(
     assert response.status == status
     error = orjson.loads(response.data)["error"]
     assert error["message"] and error["type"] and error["code"]
+
+
+def _scrape(proxy: Proxy) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = HTTP.request("GET", proxy.url + "/metrics").data.decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_every_request_by_replica_and_status(
+    stack: tuple[Proxy, str, LedgerView],
+) -> None:
+    """/metrics: each answered request counts once on its replica, in ``kvl_requests_total``
+    and in both histograms, whose buckets are cumulative up to ``+Inf`` (the count)."""
+    proxy, key, _ = stack
+    before = _scrape(proxy)
+    served: dict[str, int] = {}
+    for i in range(5):
+        response = post(proxy, "/v2/models/ensemble/generate", {"text_input": f"m{i} " * 20}, key)
+        assert response.status == 200
+        replica = response.headers["X-Kvl-Replica"]
+        served[replica] = served.get(replica, 0) + 1
+    after = _scrape(proxy)
+    for replica, count in served.items():
+        ok = ("kvl_requests_total", (("replica", replica), ("status", "ok")))
+        assert after[ok] - before.get(ok, 0.0) == count
+        assert ("kvl_requests_created", ok[1]) in after
+        for histogram in ("kvl_request_latency_seconds", "kvl_time_to_first_token_seconds"):
+            labels = (("replica", replica),)
+            total = after[(histogram + "_count", labels)]
+            assert total - before.get((histogram + "_count", labels), 0.0) == count
+            assert after[(histogram + "_sum", labels)] > 0
+            buckets = sorted(
+                (float(dict(names)["le"]), value)
+                for (name, names), value in after.items()
+                if name == histogram + "_bucket" and dict(names)["replica"] == replica
+            )
+            counts = [value for _, value in buckets]
+            assert counts == sorted(counts) and counts[-1] == total
+            assert buckets[-1][0] == float("inf") and len(buckets) == 14
