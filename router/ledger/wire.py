@@ -34,24 +34,28 @@ from redis.exceptions import ResponseError
 Arg = str | bytes | bytearray | memoryview | int | float
 
 
-def pack(args: Sequence[Arg]) -> bytearray:
-    """One command in RESP: an array of bulk strings (built in place: no copy of a large
-    argument, such as a record, per formatting step)."""
-    out = bytearray(b"*%d\r\n" % len(args))
+def pack(args: Sequence[Arg]) -> bytes:
+    """One command in RESP: an array of bulk strings, every line made once and joined once
+    (a large argument, such as a record, is copied only by that join)."""
+    lines = [b"*%d" % len(args)]
     for arg in args:
-        data: bytes | bytearray | memoryview
-        if isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, int):
+        kind = type(arg)
+        data: bytes
+        if kind is str:
+            data = cast(str, arg).encode()
+        elif kind is bytes:
+            data = cast(bytes, arg)
+        elif isinstance(arg, int):  # bool too: 1 or 0
             data = b"%d" % arg
+        elif isinstance(arg, str):  # a subclass (an enum's value)
+            data = arg.encode()
         elif isinstance(arg, bytes | bytearray | memoryview):
-            data = arg
+            data = bytes(arg)
         else:
             data = repr(arg).encode()
-        out += b"$%d\r\n" % len(data)
-        out += data
-        out += b"\r\n"
-    return out
+        lines += (b"$%d" % len(data), data)
+    lines.append(b"")
+    return b"\r\n".join(lines)
 
 
 class _Protocol(asyncio.Protocol):
@@ -61,7 +65,7 @@ class _Protocol(asyncio.Protocol):
         self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.lost: Exception | None = None
         self._loop = asyncio.get_running_loop()
-        self._out: list[bytearray] = []  # commands sent in this turn of the loop, written after it
+        self._out: list[bytes] = []  # commands sent in this turn of the loop, written after it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.WriteTransport, transport)  # uvloop's is no subclass
@@ -89,7 +93,7 @@ class _Protocol(asyncio.Protocol):
             if not future.done():
                 future.set_exception(ConnectionError(f"redis connection lost: {self.lost}"))
 
-    def send(self, command: bytearray, timeout_s: float | None = None) -> asyncio.Future[Any]:
+    def send(self, command: bytes, timeout_s: float | None = None) -> asyncio.Future[Any]:
         future = self._loop.create_future()
         self.waiting.append(future)
         if not self._out:
