@@ -114,6 +114,10 @@ class Policy(Protocol):
     """
 
     name: str
+    # How many of the prompt's leading block hashes ``select`` and ``on_start`` read (the
+    # router hashes no more: about a microsecond a block, so 256 of a long prompt cost more
+    # than the rest of the request's routing); ``MAX_PREFIX_BLOCKS`` for as many as there are.
+    prefix_blocks: int
 
     def select(self, features: RequestFeatures, replicas: Sequence[ReplicaView]) -> Decision: ...
 

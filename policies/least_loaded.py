@@ -28,6 +28,7 @@ class LeastLoaded:
     in-flight counts are the whole input."""
 
     name = "least_loaded"
+    prefix_blocks = 0  # routes on load (or turn) alone
 
     def select(self, features: RequestFeatures, replicas: Sequence[ReplicaView]) -> Decision:
         order = least_loaded_order(eligible(replicas))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.base import Decision, ReplicaView, RequestFeatures, eligible
+from policies.base import MAX_PREFIX_BLOCKS, Decision, ReplicaView, RequestFeatures, eligible
 from policies.least_loaded import least_loaded_order
 from policies.prefix_affinity import first_within, least_loaded_decision, load_bound
 from policies.prefix_index import Match, PrefixIndex
@@ -46,6 +46,7 @@ class LongestPrefix:
     """
 
     name = "longest_prefix"
+    prefix_blocks = MAX_PREFIX_BLOCKS
 
     def __init__(
         self,

@@ -75,6 +75,7 @@ class PrefixAffinity:
             raise ValueError(f"affinity_blocks must be >= 1, got {affinity_blocks}")
         self.load_factor = load_factor
         self.affinity_blocks = affinity_blocks
+        self.prefix_blocks = affinity_blocks
 
     def select(self, features: RequestFeatures, replicas: Sequence[ReplicaView]) -> Decision:
         pool = eligible(replicas)

@@ -16,6 +16,7 @@ class RoundRobin:
     """
 
     name = "round_robin"
+    prefix_blocks = 0  # routes on load (or turn) alone
 
     def __init__(self) -> None:
         self._last_started: str | None = None

@@ -17,7 +17,6 @@ import structlog
 
 from backends.base import BackendFailed, BackendRejected, BackendUnavailable
 from policies import (
-    MAX_PREFIX_BLOCKS,
     Decision,
     NoReplicaAvailable,
     Policy,
@@ -50,13 +49,15 @@ class Dispatcher:
         self.policy.on_finish(flight.replica.id)
 
     def select(self, parsed: Parsed) -> tuple[Decision, RequestFeatures]:
-        views = self.fleet.views(parsed.model)
-        if not views:
+        serving = self.fleet.serving(parsed.model)
+        if not serving:
             raise NotFound(f"model '{parsed.model}' is not served here", param="model")
-        tokens_per_block = self.fleet.serving(parsed.model)[0].settings.tokens_per_block
+        views = [r.view() for r in serving]
+        tokens_per_block = serving[0].settings.tokens_per_block
         prompt = parsed.request.prompt
+        blocks = self.policy.prefix_blocks  # as many as the policy reads, no more
         features = RequestFeatures(
-            prefix_hashes=prefix_block_hashes(prompt, tokens_per_block, MAX_PREFIX_BLOCKS),
+            prefix_hashes=prefix_block_hashes(prompt, tokens_per_block, blocks),
             prompt_tokens=len(prompt.encode()),
             model=parsed.model,
         )

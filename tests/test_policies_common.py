@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 
 import pytest
 from hypothesis import given
@@ -15,6 +16,7 @@ from policies import (
     PolicyName,
     PrefixAffinity,
     ReplicaView,
+    RequestFeatures,
     make_policy,
     prefix_block_hashes,
 )
@@ -185,3 +187,34 @@ def test_choice_is_always_an_eligible_replica(
     assert decision.replica in eligible
     assert decision.candidates[0] == decision.replica
     assert sorted(decision.candidates) == sorted(eligible)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [(n, {}) for n in ALL_POLICIES] + [("prefix_affinity", {"affinity_blocks": 3})],
+)
+def test_a_policy_decides_alike_on_only_the_block_hashes_it_reads(
+    name: PolicyName, options: dict[str, int]
+) -> None:
+    """The router hashes only ``policy.prefix_blocks`` leading blocks of a prompt: with them
+    alone, every decision (and what the policy learns from it) is the one it makes with all
+    of them. Conversations that share a system prompt and grow turn by turn, under load."""
+    full, cut = make_policy(name, **options), make_policy(name, **options)
+    assert 0 <= cut.prefix_blocks
+    rng = random.Random(3)
+    system = "You are a careful agent with tools. " * 4
+    turns = {c: system + f"conversation {c}: " for c in range(6)}
+    now = 0.0
+    for step in range(120):
+        c = rng.randrange(6)
+        turns[c] += f"turn {step} asks something new. " * rng.randint(1, 3)
+        hashes = prefix_block_hashes(turns[c], 16, 64)
+        pool = [replica(r, in_flight=rng.randrange(4)) for r in ("r1", "r2", "r3")]
+        chosen = []
+        for policy, blocks in ((full, hashes), (cut, hashes[: cut.prefix_blocks])):
+            request = RequestFeatures(prefix_hashes=blocks, prompt_tokens=1, model="m")
+            decision = policy.select(request, pool)
+            policy.on_start(decision.replica, request, now)
+            chosen.append((decision.replica, decision.candidates))
+        assert chosen[0] == chosen[1], (name, step)
+        now += 1.0
