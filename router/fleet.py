@@ -80,31 +80,9 @@ class ReplicaState:
             and self.leased_by is None
         )
 
-    async def watch(self, stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
+    def watch(self, stream: AsyncGenerator[Chunk, None]) -> Watched:
         """``stream`` under the no-progress deadline (see the module docstring)."""
-        deadline = Deadline(self.timeout_s)
-        try:
-            while True:
-                deadline.waiting()
-                try:
-                    chunk = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except BaseException as exc:  # the deadline's cancel, as the backend passed it on
-                    if not deadline.expired():
-                        raise
-                    self.timed_out()
-                    raise GatewayTimeout(
-                        f"replica {self.id} made no progress for {self.timeout_s:g} s"
-                        " (backend_timeout_s); the request was cancelled"
-                    ) from exc
-                finally:
-                    deadline.done()
-                self.timeouts = 0
-                yield chunk
-        finally:
-            deadline.close()
-            await stream.aclose()  # a stream still open is cancelled inside the replica
+        return Watched(self, stream)
 
     @property
     def stalled(self) -> bool:
@@ -137,6 +115,48 @@ class ReplicaState:
             in_flight=self.in_flight,
             production=self.production,
         )
+
+
+class Watched:
+    """A replica's stream under its no-progress deadline: an async iterator of its chunks
+    (``anext``) that ends the request with a 504 when no chunk came for ``timeout_s``, and
+    closes the stream (which cancels the request inside the replica) when it ends, fails or is
+    closed (``aclose``). Not an async generator: a request's chunks pass through it without a
+    generator's frame, loop registration and finalizer."""
+
+    def __init__(self, replica: ReplicaState, stream: AsyncGenerator[Chunk, None]) -> None:
+        self._replica = replica
+        self._stream = stream
+        self._deadline = Deadline(replica.timeout_s)
+
+    def __aiter__(self) -> Watched:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        deadline = self._deadline
+        deadline.waiting()
+        try:
+            chunk = await anext(self._stream)
+        except BaseException as exc:
+            deadline.done()
+            # The deadline's cancel, as the backend passed it on (not a client gone).
+            timed_out = not isinstance(exc, StopAsyncIteration) and deadline.expired()
+            await self.aclose()
+            if not timed_out:
+                raise
+            replica = self._replica
+            replica.timed_out()
+            raise GatewayTimeout(
+                f"replica {replica.id} made no progress for {replica.timeout_s:g} s"
+                " (backend_timeout_s); the request was cancelled"
+            ) from exc
+        deadline.done()
+        self._replica.timeouts = 0
+        return chunk
+
+    async def aclose(self) -> None:
+        self._deadline.close()
+        await self._stream.aclose()  # a stream still open is cancelled inside the replica
 
 
 class Fleet:

@@ -8,14 +8,14 @@ differ in what happens when the flight ends (their ``Settler``).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backends.base import BackendError, Chunk, EngineStats, GenerationRequest
 from policies import Decision
 from router.errors import KvlError, UpstreamFailed
-from router.fleet import ReplicaState
+from router.fleet import ReplicaState, Watched
 from router.ledger.records import Admission, Outcome, Principal, RecordInput
 
 
@@ -51,7 +51,7 @@ class Flight:
     replica: ReplicaState
     decision: Decision
     admission: Admission
-    stream: AsyncGenerator[Chunk, None]
+    stream: Watched
     first: Chunk
     started: float
     first_chunk_at: float
