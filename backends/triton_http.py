@@ -33,7 +33,9 @@ replica refusing the input (400) :class:`BackendRejected`; anything after accept
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import AsyncGenerator
+from itertools import repeat
 from typing import Any
 
 import aiohttp
@@ -77,6 +79,16 @@ def request_body(target: TritonTarget, request: GenerationRequest) -> bytes:
     if request.bad_words:
         body["bad_words"] = list(request.bad_words)
     return orjson.dumps(body)
+
+
+_has_error = operator.methodcaller("__contains__", "error")
+
+
+def _merged(events: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for outputs in events:
+        merged.update(outputs)
+    return merged
 
 
 def _error_message(raw: bytes) -> str:
@@ -123,14 +135,19 @@ class TritonHttpBackend(TritonBackend):
             buffer = b""
             pieces: list[str] = []
             while (data := await response.read(gather_s)) is not None:
-                *events, buffer = (buffer + data).split(b"\n\n")
-                for event in events:
-                    outputs = self._event(event, produced)
-                    stats = parse_stats(outputs, stats)
-                    text = outputs.get("text_output")
-                    if text:
-                        produced = True
-                        pieces.append(str(text))
+                data = buffer + data
+                end = data.rfind(b"\n\n")  # the events that arrived whole; the rest waits
+                if end < 0:
+                    buffer = data
+                    continue
+                buffer = data[end + 2 :]
+                events = self._events(data[:end], produced)
+                # Per output, the last event that has it counts (as parse_stats over a stream).
+                stats = parse_stats(events[0] if len(events) == 1 else _merged(events), stats)
+                texts = [str(text) for outputs in events if (text := outputs.get("text_output"))]
+                if texts:
+                    produced = True
+                    pieces += texts
                 if pieces and not response.complete:
                     yield Chunk("".join(pieces))  # the tokens that arrived together, as one
                     pieces = []
@@ -155,6 +172,27 @@ class TritonHttpBackend(TritonBackend):
                 self._pool.release(response, connection)
                 if not failed:
                     await self._stop(request.request_id)
+
+    def _events(self, events: bytes, produced: bool) -> list[dict[str, Any]]:
+        """The outputs of whole ``data: {...}`` events (separated by blank lines): parsed in one
+        call when they are what Triton sends, else one by one, so that an error event raises
+        what it raises alone and a garbled one is named (:meth:`_event`)."""
+        if events.startswith(b"data:"):
+            try:
+                parsed = orjson.loads(b"[" + events[5:].replace(b"\n\ndata:", b",") + b"]")
+            except orjson.JSONDecodeError:
+                parsed = None
+            # Every event an object without an error (no generator: map and C functions).
+            if type(parsed) is list and all(map(isinstance, parsed, repeat(dict))):
+                every: list[dict[str, Any]] = parsed
+                if not any(map(_has_error, every)):
+                    return every
+        found = []
+        for event in events.split(b"\n\n"):
+            outputs = self._event(event, produced)
+            produced = produced or bool(outputs.get("text_output"))  # an error after it failed
+            found.append(outputs)
+        return found
 
     def _event(self, event: bytes, produced: bool) -> dict[str, Any]:
         """One ``data: {...}`` event's outputs; an error event raises."""
