@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -65,6 +68,12 @@ class _Protocol(asyncio.Protocol):
         self.lost: Exception | None = None
         self._loop = asyncio.get_running_loop()
         self._out: list[bytes] = []  # commands sent in this turn of the loop, written after it
+        # Commands with a deadline, earliest first (a heap of (when, n, future, timeout_s)):
+        # one timer, for the earliest, instead of one per command.
+        self._deadlines: list[tuple[float, int, asyncio.Future[Any], float]] = []
+        self._sent = itertools.count()  # ties broken by order sent (futures do not compare)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.WriteTransport, transport)  # uvloop's is no subclass
@@ -98,19 +107,34 @@ class _Protocol(asyncio.Protocol):
         if not self._out:
             self._loop.call_soon(self._flush)
         self._out.append(command)
-        if timeout_s is not None:  # one timer, never cancelled: it finds the future answered
-            self._loop.call_later(timeout_s, _expire, future, timeout_s)
+        if timeout_s is not None:
+            when = self._loop.time() + timeout_s
+            heapq.heappush(self._deadlines, (when, next(self._sent), future, timeout_s))
+            if when < self._timer_at:
+                self._arm(when)
         return future
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = self._loop.call_at(when, self._expire), when
+
+    def _expire(self) -> None:
+        """Fail every command past its deadline (its reply, when it comes, is dropped: see
+        ``data_received``); then wait for the next deadline."""
+        self._timer, self._timer_at = None, math.inf
+        deadlines, now = self._deadlines, self._loop.time()
+        while deadlines and deadlines[0][0] <= now:
+            _, _, future, timeout_s = heapq.heappop(deadlines)
+            if not future.done():  # else answered (or failed) meanwhile
+                future.set_exception(TimeoutError(f"no reply within {timeout_s:g} s"))
+        if deadlines:
+            self._arm(deadlines[0][0])
 
     def _flush(self) -> None:
         out, self._out = self._out, []
         if self.transport is not None and self.lost is None:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-
-
-def _expire(future: asyncio.Future[Any], timeout_s: float) -> None:
-    if not future.done():  # its reply, when it comes, is dropped (see data_received)
-        future.set_exception(TimeoutError(f"no reply within {timeout_s:g} s"))
 
 
 class Wire:
