@@ -3,8 +3,9 @@
 ``bench/overhead.py`` times CPU from /proc, which a shared machine makes noisy (other guests,
 other work): two rounds of the same code differ by a fifth. This benchmark counts instead, in
 front of the same trivial Triton model, for the bare pass-through (the issue's floor), the same
-pass-through asking the replica as kvledger asks it (tokens streamed, collected), and kvledger
-with the ledger on:
+pass-through asking the replica as kvledger asks it (tokens streamed, collected), kvledger's
+plumbing alone (``bench/overhead_plumbing.py``: its server, replica and Redis wires, none of
+its own work), and kvledger with the ledger on:
 
 - user-space instructions per request, from callgrind (valgrind), counted only while the
   measured requests run (instrumentation switched on after a warm-up), net of what the process
@@ -41,12 +42,20 @@ from pathlib import Path
 import aiohttp
 
 from bench.overhead_client import run_phase
-from bench.overhead_targets import GENERATE, Target, kvledger, passthrough, trivial_triton
+from bench.overhead_targets import (
+    GENERATE,
+    Target,
+    kvledger,
+    passthrough,
+    plumbing,
+    trivial_triton,
+)
 from router.cli.local import RedisServer, create_key
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR = "aiohttp pass-through"
 FLOOR_TOKENS = "aiohttp pass-through, tokens collected"
+PLUMBING = "kvledger's plumbing alone"
 KVLEDGER = "kvledger http /generate"
 
 
@@ -131,7 +140,7 @@ def strace(pid: int, workdir: Path, measured: Callable[[], None], requests: int)
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Counts]:
-    counts = {name: Counts() for name in (FLOOR, FLOOR_TOKENS, KVLEDGER)}
+    counts = {name: Counts() for name in (FLOOR, FLOOR_TOKENS, PLUMBING, KVLEDGER)}
     prefix = workdir / "callgrind.out"
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
     valgrind += [f"--callgrind-out-file={prefix}.%p", sys.executable]
@@ -147,6 +156,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Counts]:
                     for target in (floor, tokens):
                         pid = floor.pids[0]
                         _count(tool, counts[target.name], target, pid, args, prefix, workdir)
+                with plumbing(replica.http_url, redis.port, python) as lean:
+                    pid = lean.pids[0]
+                    _count(tool, counts[PLUMBING], lean, pid, args, prefix, workdir)
                 with kvledger(replica, redis.url, "http", python) as proxy:
                     assert proxy.process is not None
                     pid = proxy.process.pid

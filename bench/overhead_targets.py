@@ -142,6 +142,24 @@ def passthrough(upstream: str, python: list[str] | None = None) -> Iterator[Targ
         process.wait(timeout=10 * slow)
 
 
+@contextlib.contextmanager
+def plumbing(upstream: str, redis_port: int, python: list[str] | None = None) -> Iterator[Target]:
+    """kvledger's plumbing alone (``bench/overhead_plumbing.py``); ``python``: as for
+    :func:`passthrough`."""
+    port = free_ports(1)[0]
+    command = [*(python or [sys.executable]), "-m", "bench.overhead_plumbing"]
+    command += ["--port", str(port), "--upstream", upstream, "--redis-port", str(redis_port)]
+    process = subprocess.Popen([*command, "--model", MODEL], cwd=ROOT)
+    slow = 60 if python else 1
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", process, timeout_s=30 * slow)
+        name = "kvledger's plumbing alone"
+        yield Target(name, f"http://127.0.0.1:{port}", GENERATE, [process.pid])
+    finally:
+        process.terminate()
+        process.wait(timeout=10 * slow)
+
+
 NGINX_CONF = """worker_processes 1;
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;

@@ -51,6 +51,7 @@ def test_overhead_counts_benchmark_counts_every_target(tmp_path: Path) -> None:
     assert set(rows) == {
         "aiohttp pass-through",
         "aiohttp pass-through, tokens collected",
+        "kvledger's plumbing alone",
         "kvledger http /generate",
     }
     for cells in rows.values():
