@@ -79,8 +79,15 @@ def serve(settings: Settings, print_ready: bool = True) -> None:
 async def _serve(app: web.Application, settings: Settings, print_ready: bool) -> None:
     from router.http.edge import install
 
-    # handle_signals: SIGINT and SIGTERM raise GracefulExit out of the loop (as run_app's).
-    runner = web.AppRunner(app, handle_signals=True, access_log=None, handler_cancellation=True)
+    # As run_app's: SIGINT and SIGTERM raise GracefulExit out of the loop, idle client
+    # connections close after 75 s.
+    runner = web.AppRunner(
+        app,
+        handle_signals=True,
+        access_log=None,
+        handler_cancellation=True,
+        keepalive_timeout=75.0,
+    )
     await runner.setup()
     try:
         install(runner)

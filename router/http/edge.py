@@ -1,9 +1,9 @@
 """The proxy's front door: the generation routes served without aiohttp's router.
 
 aiohttp's ``Application`` resolves every request through its router (a yarl URL, a match info,
-the middleware chain, the response-prepare signals). On the request path that is about 95k
-instructions a request (callgrind, a minimal handler behind ``Application`` against the same
-handler behind aiohttp's low-level ``Server``), a tenth of what the proxy spends per request.
+the middleware chain, the response-prepare signals): a minimal handler cost 295k instructions a
+request behind an ``Application`` with one middleware and 185k behind aiohttp's low-level
+``Server`` (callgrind), and kvledger's request went from 1,178k to 1,112k without it.
 :class:`Edge` is the low-level server's handler: the four generation routes (``POST
 /v1/completions``, ``/v1/chat/completions``, ``/v2/models/{model}/generate`` and
 ``generate_stream``) are matched on the raw path and served directly, with the same error
