@@ -160,7 +160,7 @@ class Watched:
 
 
 class Fleet:
-    """All replicas by id, with the views a policy sees for one model."""
+    """All replicas by id, and those serving one model."""
 
     def __init__(self, replicas: Mapping[str, ReplicaState]) -> None:
         self._replicas = dict(replicas)
@@ -176,9 +176,6 @@ class Fleet:
 
     def serving(self, model: str) -> list[ReplicaState]:
         return [r for r in self._replicas.values() if r.settings.model == model]
-
-    def views(self, model: str) -> list[ReplicaView]:
-        return [r.view() for r in self.serving(model)]
 
     def any_ready(self) -> bool:
         return any(r.healthy for r in self._replicas.values())

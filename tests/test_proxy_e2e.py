@@ -12,6 +12,7 @@ import openai
 import orjson
 import pytest
 import urllib3
+from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim.launcher import Replica
 from policies import prefix_block_hashes, rendezvous_order
@@ -281,8 +282,6 @@ def test_refusals_around_the_generation_routes_are_openai_shaped(
 
 
 def _scrape(proxy: Proxy) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     page = HTTP.request("GET", proxy.url + "/metrics").data.decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
