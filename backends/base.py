@@ -6,6 +6,11 @@ Errors (translated from the engine client's own exceptions at this boundary)::
      ├── BackendUnavailable          could not reach the replica or its model; nothing was streamed
      ├── BackendRejected             the replica refused the request as invalid (a client mistake)
      └── BackendFailed               the replica failed after the request was accepted
+
+The values made once or more per request here, and in ``policies.base``, ``router.flight`` and
+``router.ledger.records``, are slotted dataclasses that are not ``frozen``: a frozen one's
+``__init__`` sets every field through ``object.__setattr__``, 2.9 us for ten fields against 0.28
+us (timeit), some sixty fields a request. Nothing mutates them after they are made.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ class BackendFailed(BackendError):
     """The replica failed while serving an accepted request."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GenerationRequest:
     """One generation, in engine terms (the fronts translate OpenAI and Triton shapes to it)."""
 
@@ -81,7 +86,7 @@ class GenerationRequest:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineStats:
     """TensorRT-LLM's per-request statistics (``return_perf_metrics``)."""
 

@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 MAX_PREFIX_BLOCKS = 256
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestFeatures:
     """What a policy may know about a request.
 
@@ -38,7 +38,7 @@ class RequestFeatures:
     model: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplicaView:
     """A snapshot of one replica as the router sees it when the request is admitted."""
 
@@ -73,7 +73,7 @@ class ReplicaView:
         return tuple(word for word, on in flags.items() if on)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """The outcome of ``Policy.select``.
 

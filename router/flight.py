@@ -19,7 +19,7 @@ from router.fleet import ReplicaState, Watched
 from router.ledger.records import Admission, Outcome, Principal, RecordInput
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Parsed:
     """What a front asked for: the model, the engine request, and how to answer."""
 

@@ -69,7 +69,7 @@ class ChainHead:
     known: bool = True  # False: the state descends from a cache nobody saw empty
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Advance:
     """The result of one chain step (``seq`` is the request's 0-based place in its generation).
 
