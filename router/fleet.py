@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -53,19 +53,18 @@ class ReplicaState:
     timeouts: int = 0  # requests timed out in a row
     stalled_at: float | None = None  # when timeouts took it out of routing (monotonic clock)
 
-    @property
-    def id(self) -> str:
-        return self.settings.id
+    # From ``settings`` (read on every request: attributes, not properties).
+    id: str = field(init=False)
+    production: bool = field(init=False)  # in the production pool; else eval leases only
+
+    def __post_init__(self) -> None:
+        self.id = self.settings.id
+        self.production = self.settings.pool == "production"
 
     @property
     def paused(self) -> bool:
         """Taking no new requests: a verified reset is under way."""
         return self.resetting or self.reset_here
-
-    @property
-    def production(self) -> bool:
-        """In the production pool (``settings.pool``); the others serve eval leases only."""
-        return self.settings.pool == "production"
 
     @property
     def takes_production(self) -> bool:
@@ -164,6 +163,11 @@ class Fleet:
 
     def __init__(self, replicas: Mapping[str, ReplicaState]) -> None:
         self._replicas = dict(replicas)
+        # Asked twice a request: made once (the fleet's replicas are fixed at start).
+        self._serving: dict[str, tuple[ReplicaState, ...]] = {}
+        for replica in self._replicas.values():
+            model = replica.settings.model
+            self._serving[model] = (*self._serving.get(model, ()), replica)
 
     def __getitem__(self, replica_id: str) -> ReplicaState:
         return self._replicas[replica_id]
@@ -174,8 +178,8 @@ class Fleet:
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._replicas
 
-    def serving(self, model: str) -> list[ReplicaState]:
-        return [r for r in self._replicas.values() if r.settings.model == model]
+    def serving(self, model: str) -> tuple[ReplicaState, ...]:
+        return self._serving.get(model, ())
 
     def any_ready(self) -> bool:
         return any(r.healthy for r in self._replicas.values())

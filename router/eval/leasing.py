@@ -10,6 +10,7 @@ gets a 503 naming each replica's reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies import rendezvous_order
@@ -25,7 +26,7 @@ class Lease:
     reason: str
 
 
-def unleasable(replica: ReplicaState, serving: list[ReplicaState], minimum: int) -> str | None:
+def unleasable(replica: ReplicaState, serving: Sequence[ReplicaState], minimum: int) -> str | None:
     """Why ``replica`` cannot be leased now (None: it can)."""
     if not replica.healthy:
         return "not healthy"
