@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
@@ -10,7 +12,7 @@ import redis.asyncio as aioredis
 
 from router.ledger.chain import fold, genesis, step, text_digest
 from router.ledger.core import Fence
-from router.ledger.records import template, with_chain
+from router.ledger.records import stamp, template, with_chain
 from tests.ledger_helpers import ENGINE, client, fresh_chain, lineage, make_ledger, record
 from tests.servers import RedisServer
 
@@ -182,3 +184,17 @@ async def test_redis_losing_the_chain_mid_traffic_marks_the_request_stale(
     now = await ledger.head("r1")
     assert not now.known and now.generation > head.generation
     assert text_digest("x") != now.state
+
+
+def test_record_times_read_as_isoformat_would_write_them() -> None:
+    """A record's ``at`` (formatted once a second, the milliseconds added) is what
+    ``datetime.isoformat`` gives, across seconds, days and years, in any order."""
+    base = datetime(2026, 12, 31, 23, 59, 58, tzinfo=UTC).timestamp()
+    moments = [base + s + us / 1e6 for s in (0, 1, 2, 1, 86_400) for us in (0, 1_000, 999_000)]
+    moments += [base + 0.5 + n * 0.0123 for n in range(200)]
+    draw = random.Random(7)
+    moments += [draw.uniform(1e9, 4e9) for _ in range(5_000)]  # 2001 to 2096
+    for now in moments:
+        expected = datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds")
+        assert stamp(now) == expected, now
+    assert stamp().startswith(str(datetime.now(UTC).year))

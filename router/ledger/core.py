@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -43,7 +42,7 @@ from router.ledger.errors import (
     unavailable,
 )
 from router.ledger.read import LedgerReader
-from router.ledger.records import CHAIN_FIELDS, chain_fields, template, with_chain
+from router.ledger.records import CHAIN_FIELDS, chain_fields, stamp, template, with_chain
 from router.ledger.schema import (
     GENERATIONS,
     GENERATIONS_MAXLEN,
@@ -63,10 +62,6 @@ from router.ledger.wire import Wire
 from router.ledger.writer import LedgerConfig, Writer
 
 Record = dict[str, Any]
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 class Fence:
@@ -134,7 +129,7 @@ class Ledger:
         args: list[EncodableT] = [
             engine_digest,
             genesis(engine_digest),
-            _now(),
+            stamp(),
             int(proven_empty),
             counter,
         ]
@@ -160,7 +155,7 @@ class Ledger:
         args: list[EncodableT] = [
             engine_digest,
             genesis(engine_digest),
-            _now(),
+            stamp(),
             reason,
             int(proven_empty),
             counter,
@@ -317,7 +312,7 @@ class Ledger:
         self, head: ChainHead, reason: str, details: Mapping[str, str] | None = None
     ) -> None:
         fields = generation_fields(
-            head.replica, head.generation, reason, head.engine_digest, _now(), details
+            head.replica, head.generation, reason, head.engine_digest, stamp(), details
         )
         fields["known"] = int(head.known)
         async with self._call("log generation"):

@@ -7,6 +7,7 @@ above it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -17,8 +18,26 @@ from backends.base import EngineStats, GenerationRequest
 from router.ledger.chain import Advance, params_digest, request_digest, text_digest
 from router.ledger.keys import Profile
 
+_second: list[Any] = [None, ""]  # the last whole second stamped, and its text
 
-@dataclass(frozen=True, slots=True)
+
+def stamp(now: float | None = None) -> str:
+    """``now`` (default: the time now) as ISO 8601 UTC to the millisecond
+    (``2026-12-03T21:04:37.826+00:00``, as ``datetime.isoformat(timespec="milliseconds")``);
+    the date and time formatted once a second (isoformat alone cost 2.3 us, on every record)."""
+    if now is None:
+        now = time.time()
+    second = int(now)
+    micros = round((now - second) * 1e6)  # as datetime: to the microsecond, half to even
+    if micros == 1_000_000:
+        second, micros = second + 1, 0
+    if second != _second[0]:
+        text = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        _second[:] = second, text
+    return f"{_second[1]}.{micros // 1000:03d}+00:00"
+
+
+@dataclass(slots=True)
 class Principal:
     """Who sent the request: the key's name (never the key) and its mode."""
 
@@ -27,7 +46,7 @@ class Principal:
     profile: Profile | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admission:
     """What the proxy knows when a request is admitted: the replica and the generation it
     knows locally; an eval request also knows the head under its turn (``seq``, ``state``)."""
@@ -76,7 +95,7 @@ def _eval_headers(headers: dict[str, str], run: str | None, warning: str | None)
     return headers
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     status: str  # ok, error, cancelled
     output: str
@@ -91,7 +110,7 @@ def _ttft_ms(stats: EngineStats | None, outcome: Outcome) -> float:
     return round(outcome.first_chunk_s * 1000, 3)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordInput:
     """What a record is made of besides its outcome."""
 
@@ -114,7 +133,7 @@ def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
     evaluating = admission.run is not None
     return {
         "request_id": request.request_id,
-        "at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "at": stamp(),
         "key": principal.name,
         "mode": principal.mode,
         "arm": principal.name if evaluating else None,
