@@ -59,6 +59,9 @@ async def _end(flight: Flight, status: str) -> dict[str, Any]:
 
 
 async def _drain(flight: Flight, timeout_s: float) -> None:
+    if flight.first.final:  # the whole answer came at once: nothing to wait for, or time
+        await flight.collect()
+        return
     async with asyncio.timeout(timeout_s):
         await flight.collect()
 
