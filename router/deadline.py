@@ -28,7 +28,7 @@ class Deadline:
         wait: a stream is read by one task)."""
         self._since = self._loop.time()
         if self._task is None:
-            self._task = asyncio.current_task()
+            self._task = asyncio.current_task(self._loop)  # the loop given: no getpid()
         if self._task is not None:
             self._cancelling = self._task.cancelling()
         if self._handle is None:

@@ -121,10 +121,12 @@ class _Protocol(asyncio.Protocol):
 
     def _expire(self) -> None:
         """Fail every command past its deadline (its reply, when it comes, is dropped: see
-        ``data_received``); then wait for the next deadline."""
+        ``data_received``); then wait for the next deadline of a command still unanswered."""
         self._timer, self._timer_at = None, math.inf
         deadlines, now = self._deadlines, self._loop.time()
-        while deadlines and deadlines[0][0] <= now:
+        # Answered commands leave the heap here, not when answered: the timer then fires about
+        # once per deadline, not once per command.
+        while deadlines and (deadlines[0][0] <= now or deadlines[0][2].done()):
             _, _, future, timeout_s = heapq.heappop(deadlines)
             if not future.done():  # else answered (or failed) meanwhile
                 future.set_exception(TimeoutError(f"no reply within {timeout_s:g} s"))
