@@ -4,6 +4,8 @@ stream deadline and stall bookkeeping, the bounded key cache."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 from backends.base import Chunk, ReplicaCounters
 from router.errors import BadRequest, GatewayTimeout, PromptTooLong
 from router.fleet import ReplicaState
+from router.http.context import new_request_id
 from router.http.parse import check_prompt_length, render_chat
 from router.ledger.keys import KeyStore, Profile, key_hash
 from router.ledger.schema import KEYS_HASH
@@ -200,3 +203,19 @@ def test_a_monitor_whose_tick_swallowed_its_cancellation_still_stops() -> None:
         return task.cancelled()
 
     assert asyncio.run(scenario())
+
+
+def test_request_ids_are_unique_within_and_across_proxy_processes() -> None:
+    """Two proxies sharing Redis must never mint the same request id (a second request would
+    look like a retry of the first to its chain step, and leave no record of its own)."""
+    ids = [new_request_id() for _ in range(50_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 24 and set(i) <= set("0123456789abcdef") for i in ids[:1000])
+    mint = "from router.http.context import new_request_id; print(new_request_id())"
+    others = {
+        subprocess.run(
+            [sys.executable, "-c", mint], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(3)
+    }
+    assert len(others) == 3 and not others & set(ids)
