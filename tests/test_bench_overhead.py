@@ -30,6 +30,9 @@ def test_overhead_benchmark_runs_and_checks_every_response(tmp_path: Path) -> No
     for target in targets:
         assert f"| {target} |" in report, report
     assert "floor: aiohttp pass-through, tokens collected" in report
+    # The replica asked for its tokens with no proxy, and what that costs it, said in words.
+    assert "| Triton direct, tokens streamed |" in report
+    assert "With no proxy at all, Triton asked for its tokens" in report
     assert "kvledger http /v1/completions" in report
 
 
