@@ -39,10 +39,12 @@ def first_within(
 ) -> tuple[int | None, dict[str, int]]:
     """The rank of the first replica in ``ranking`` within its bound (None if none is), and
     the bounds."""
-    by_id = {r.id: r for r in pool}
+    in_flight = {r.id: r.in_flight for r in pool}
     bounds = load_bounds(pool, load_factor)
-    rank = next((n for n, rid in enumerate(ranking) if by_id[rid].in_flight < bounds[rid]), None)
-    return rank, bounds
+    for rank, rid in enumerate(ranking):
+        if in_flight[rid] < bounds[rid]:
+            return rank, bounds
+    return None, bounds
 
 
 def least_loaded_decision(pool: Sequence[ReplicaView], policy: str, why: str) -> Decision:
@@ -83,24 +85,23 @@ class PrefixAffinity:
             return self._least_loaded(pool, "prompt has no full block")
         block = min(self.affinity_blocks, len(features.prefix_hashes)) - 1
         key = features.prefix_hashes[block]
-        ranking = rendezvous_order(
-            key, [r.id for r in pool], {r.id: r.capacity_weight for r in pool}
-        )
-        by_id = {r.id: r for r in pool}
+        weights = {r.id: r.capacity_weight for r in pool}
+        ranking = rendezvous_order(key, list(weights), weights)
         rank, bounds = first_within(ranking, pool, self.load_factor)
         if rank is None:
             # Unreachable for c >= 1 (the bounds sum to more than the total load); kept so
             # a rounding corner case degrades to a sane choice rather than an exception.
             return self._least_loaded(pool, "every replica over its load bound")
-        chosen, home = ranking[rank], by_id[ranking[0]]
+        chosen = ranking[rank]
         if rank == 0:
             reason = f"affinity: prefix block {block} ({key[:8]}) -> {chosen}"
         else:
+            home = next(r for r in pool if r.id == ranking[0])
             reason = (
                 f"spill: home {home.id} at {home.in_flight} in flight, bound {bounds[home.id]}"
                 f" -> {chosen} (rank {rank + 1})"
             )
-        candidates = (chosen, *(rid for rid in ranking if rid != chosen))
+        candidates = (chosen, *ranking[:rank], *ranking[rank + 1 :])
         return Decision(chosen, self.name, reason, candidates)
 
     def _least_loaded(self, pool: Sequence[ReplicaView], why: str) -> Decision:

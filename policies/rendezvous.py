@@ -48,6 +48,7 @@ def rendezvous_order(
     its weight.
     """
     prefix = _key_prefix(key)  # encoded once per ranking, not once per replica
-    if weights is None or len({weights[i] for i in ids}) <= 1:
-        return sorted(ids, key=lambda i: (-_score(prefix, i), i))
-    return sorted(ids, key=lambda i: (-_weighted_score(prefix, i, weights[i]), i))
+    if weights is None or len(set(map(weights.__getitem__, ids))) <= 1:
+        # (score, id) pairs sorted as they are: no key function called per replica.
+        return [i for _, i in sorted([(-_score(prefix, i), i) for i in ids])]
+    return [i for _, i in sorted([(-_weighted_score(prefix, i, weights[i]), i) for i in ids])]
