@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -126,6 +127,9 @@ class Policy(Protocol):
     def on_finish(self, replica_id: str) -> None: ...
 
 
+_by_id = operator.attrgetter("id")
+
+
 def eligible(replicas: Sequence[ReplicaView]) -> tuple[ReplicaView, ...]:
     """The replicas that may take production traffic, sorted by id.
 
@@ -135,8 +139,8 @@ def eligible(replicas: Sequence[ReplicaView]) -> tuple[ReplicaView, ...]:
     # every request, and building the reasons is only needed when nothing is left.
     pool = tuple(
         sorted(
-            (r for r in replicas if r.production and r.healthy and not r.leased and not r.draining),
-            key=lambda r: r.id,
+            [r for r in replicas if r.production and r.healthy and not r.leased and not r.draining],
+            key=_by_id,
         )
     )
     if not pool:

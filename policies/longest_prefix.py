@@ -32,7 +32,7 @@ from policies.base import MAX_PREFIX_BLOCKS, Decision, ReplicaView, RequestFeatu
 from policies.least_loaded import least_loaded_order
 from policies.prefix_affinity import first_within, least_loaded_decision, load_bound
 from policies.prefix_index import Match, PrefixIndex
-from policies.rendezvous import rendezvous_order
+from policies.rendezvous import cached_order
 
 
 class LongestPrefix:
@@ -104,9 +104,8 @@ class LongestPrefix:
         """A new prefix past its match: the rendezvous home of its first unshared block."""
         block = min(match.depth, len(hashes) - 1)
         key = hashes[block]
-        ranking = rendezvous_order(
-            key, [r.id for r in pool], {r.id: r.capacity_weight for r in pool}
-        )
+        ids, weights = tuple([r.id for r in pool]), tuple([r.capacity_weight for r in pool])
+        ranking = cached_order(key, ids, weights)
         rank, bounds = first_within(ranking, pool, self.load_factor)
         if rank is None:
             # Unreachable for c >= 1 (the bounds sum to more than the total load); kept so

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from policies.base import Decision, ReplicaView, RequestFeatures, eligible
 from policies.least_loaded import describe_load, least_loaded_order
-from policies.rendezvous import rendezvous_order
+from policies.rendezvous import cached_order
 
 
 def load_bound(total_in_flight: int, weight: float, total_weight: float, load_factor: float) -> int:
@@ -29,9 +29,12 @@ def load_bound(total_in_flight: int, weight: float, total_weight: float, load_fa
 
 def load_bounds(pool: Sequence[ReplicaView], load_factor: float) -> dict[str, int]:
     """Each replica's load bound; ``in_flight < bound`` is ``in_flight + 1 <= bound``."""
-    total = sum(r.in_flight for r in pool)
-    total_weight = sum(r.capacity_weight for r in pool)
-    return {r.id: load_bound(total, r.capacity_weight, total_weight, load_factor) for r in pool}
+    total = sum([r.in_flight for r in pool])
+    total_weight = sum([r.capacity_weight for r in pool])
+    # load_bound's expression, evaluated in the same order (so bit for bit the same bounds),
+    # without a call per replica.
+    scale = load_factor * (total + 1)
+    return {r.id: math.ceil(scale * r.capacity_weight / total_weight) for r in pool}
 
 
 def first_within(
@@ -85,8 +88,8 @@ class PrefixAffinity:
             return self._least_loaded(pool, "prompt has no full block")
         block = min(self.affinity_blocks, len(features.prefix_hashes)) - 1
         key = features.prefix_hashes[block]
-        weights = {r.id: r.capacity_weight for r in pool}
-        ranking = rendezvous_order(key, list(weights), weights)
+        ids, weights = tuple([r.id for r in pool]), tuple([r.capacity_weight for r in pool])
+        ranking = cached_order(key, ids, weights)
         rank, bounds = first_within(ranking, pool, self.load_factor)
         if rank is None:
             # Unreachable for c >= 1 (the bounds sum to more than the total load); kept so

@@ -8,8 +8,10 @@ replica moves only the keys it ranked first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import operator
 from collections.abc import Mapping, Sequence
 
 
@@ -22,6 +24,18 @@ def _key_prefix(key: str) -> bytes:
 def _score(prefix: bytes, replica_id: str) -> int:
     digest = hashlib.blake2b(prefix + replica_id.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def _scores(prefix: bytes, ids: Sequence[str]) -> list[int]:
+    """``_score`` of every id: the prefix hashed once, each id from a copy of that state
+    (blake2b is a stream, so the digests are the same)."""
+    base = hashlib.blake2b(prefix, digest_size=8)
+    scores = []
+    for replica_id in ids:
+        state = base.copy()
+        state.update(replica_id.encode("utf-8"))
+        scores.append(int.from_bytes(state.digest(), "big"))
+    return scores
 
 
 def rendezvous_weight(key: str, replica_id: str) -> int:
@@ -50,5 +64,15 @@ def rendezvous_order(
     prefix = _key_prefix(key)  # encoded once per ranking, not once per replica
     if weights is None or len(set(map(weights.__getitem__, ids))) <= 1:
         # (score, id) pairs sorted as they are: no key function called per replica.
-        return [i for _, i in sorted([(-_score(prefix, i), i) for i in ids])]
+        ranked = sorted(zip(map(operator.neg, _scores(prefix, ids)), ids, strict=True))
+        return [replica_id for _, replica_id in ranked]
     return [i for _, i in sorted([(-_weighted_score(prefix, i, weights[i]), i) for i in ids])]
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_order(key: str, ids: tuple[str, ...], weights: tuple[float, ...]) -> tuple[str, ...]:
+    """``rendezvous_order`` of ``ids`` with their ``weights`` (in the same order), remembered:
+    a key's ranking over the same replicas never changes, and the requests of a workload share
+    few keys (every turn of a conversation, every user of one system prompt, has the same first
+    block). A routing decision would otherwise hash the key with every replica id again."""
+    return tuple(rendezvous_order(key, ids, dict(zip(ids, weights, strict=True))))

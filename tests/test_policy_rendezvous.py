@@ -7,6 +7,7 @@ from collections import Counter
 from policies import (
     rendezvous_order,
 )
+from policies.rendezvous import cached_order
 from tests.policy_helpers import random_prompts
 
 # -- rendezvous_order ----------------------------------------------------------------------
@@ -42,3 +43,20 @@ def test_weighted_rendezvous_shares_keys_by_weight() -> None:
     weights = {"r1": 1.0, "r2": 2.0, "r3": 1.0}
     firsts = Counter(rendezvous_order(k, list(weights), weights)[0] for k in keys)
     assert 0.45 < firsts["r2"] / len(keys) < 0.55
+
+
+def test_a_remembered_ranking_is_the_ranking_of_its_own_replicas_and_weights() -> None:
+    """The policies' cached ranking answers as a fresh one would, also when the same key comes
+    back over other replicas or other weights (which must not find the first one's answer)."""
+    fleets = [
+        (("r1", "r2", "r3"), (1.0, 1.0, 1.0)),
+        (("r1", "r2", "r3"), (1.0, 3.0, 1.0)),
+        (("r1", "r3"), (1.0, 1.0)),
+        (("r2", "r3", "r4", "r5"), (2.0, 1.0, 1.0, 0.5)),
+    ]
+    for _ in range(2):  # the second pass is answered from the cache
+        for key in random_prompts(40):
+            for ids, weights in fleets:
+                fresh = rendezvous_order(key, ids, dict(zip(ids, weights, strict=True)))
+                assert list(cached_order(key, ids, weights)) == fresh
+    assert cached_order.cache_info().hits > 0
