@@ -10,7 +10,10 @@ Errors (translated from the engine client's own exceptions at this boundary)::
 The values made once or more per request here, and in ``policies.base``, ``router.flight`` and
 ``router.ledger.records``, are slotted dataclasses that are not ``frozen``: a frozen one's
 ``__init__`` sets every field through ``object.__setattr__``, 2.9 us for ten fields against 0.28
-us (timeit), some sixty fields a request. Nothing mutates them after they are made.
+us (timeit), some sixty fields a request. Nothing mutates them after they are made. On the
+request path they are made with positional arguments (their field names in a comment):
+keywords cost about 2k instructions a call on Python 3.11 (callgrind, ``ReplicaView``: 5.1k
+against 2.9k).
 """
 
 from __future__ import annotations

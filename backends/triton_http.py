@@ -156,7 +156,7 @@ class TritonHttpBackend(TritonBackend):
             # Back to the pool before the last chunk: the caller may never close this generator.
             self._pool.release(response, connection)
             released = True
-            yield Chunk("".join(pieces), final=True, stats=stats)
+            yield Chunk("".join(pieces), True, stats)  # the last: text, final, stats
         except WireError as exc:
             failed = True
             kind = BackendFailed if produced else BackendUnavailable

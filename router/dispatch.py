@@ -56,11 +56,8 @@ class Dispatcher:
         tokens_per_block = serving[0].settings.tokens_per_block
         prompt = parsed.request.prompt
         blocks = self.policy.prefix_blocks  # as many as the policy reads, no more
-        features = RequestFeatures(
-            prefix_hashes=prefix_block_hashes(prompt, tokens_per_block, blocks),
-            prompt_tokens=len(prompt.encode()),
-            model=parsed.model,
-        )
+        hashes = prefix_block_hashes(prompt, tokens_per_block, blocks)
+        features = RequestFeatures(hashes, len(prompt.encode()), parsed.model)
         try:
             return self.policy.select(features, views), features
         except NoReplicaAvailable as exc:

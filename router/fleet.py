@@ -106,13 +106,11 @@ class ReplicaState:
         self.healthy = True
 
     def view(self) -> ReplicaView:
+        # id, healthy, leased, draining, in_flight, capacity_weight, production (positional:
+        # see backends.base on per-request values)
+        leased, draining = self.leased_by is not None, self.draining or self.paused
         return ReplicaView(
-            id=self.id,
-            healthy=self.healthy,
-            leased=self.leased_by is not None,
-            draining=self.draining or self.paused,
-            in_flight=self.in_flight,
-            production=self.production,
+            self.id, self.healthy, leased, draining, self.in_flight, 1.0, self.production
         )
 
 

@@ -110,15 +110,15 @@ class Flight:
     ) -> RecordInput:
         """What a record of ``parsed`` on ``replica`` is made of (also for a request that ended
         before its flight took off)."""
-        return RecordInput(
-            request=parsed.request,
-            model=parsed.model,
-            episode=parsed.episode,
-            principal=principal,
-            policy=decision.policy,
-            reason=decision.reason,
-            tokens_per_block=replica.settings.tokens_per_block,
-            admission=admission,
+        return RecordInput(  # positional: see backends.base on per-request values
+            parsed.request,
+            parsed.model,
+            parsed.episode,
+            principal,
+            decision.policy,
+            decision.reason,
+            replica.settings.tokens_per_block,
+            admission,
         )
 
     async def finish(self, status: str) -> dict[str, Any]:
@@ -131,12 +131,10 @@ class Flight:
         # closed here it ends now, instead of being finalized later by the event loop (a
         # thread-safe wake-up and a task per request).
         await self.stream.aclose()
+        latency_s = time.perf_counter() - self.started
+        # status, output, stats, latency_s, first_chunk_s
         outcome = Outcome(
-            status=status,
-            output=self.text,
-            stats=self.stats,
-            latency_s=time.perf_counter() - self.started,
-            first_chunk_s=self.first_chunk_at - self.started,
+            status, self.text, self.stats, latency_s, self.first_chunk_at - self.started
         )
         return await self.dispatcher.settle(self, outcome)
 

@@ -94,7 +94,7 @@ async def authenticate(request: web.BaseRequest, app: web.Application) -> Princi
         ) from exc
     if profile is None:
         raise Unauthorized("invalid API key")
-    return Principal(name=profile.name, mode=profile.mode, profile=profile)
+    return Principal(profile.name, profile.mode, profile)
 
 
 async def open_flight(app: web.Application, parsed: Parsed, principal: Principal) -> Flight:

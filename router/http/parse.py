@@ -95,6 +95,28 @@ def _sampling(
     }
 
 
+def _request(
+    request_id: str,
+    prompt: str,
+    stream: bool,
+    sampling: dict[str, Any],
+    bad_words: tuple[str, ...],
+) -> GenerationRequest:
+    # Positional (see backends.base on per-request values), in GenerationRequest's order.
+    return GenerationRequest(
+        request_id,
+        prompt,
+        sampling["max_tokens"],
+        stream,
+        sampling["temperature"],
+        sampling["top_k"],
+        sampling["top_p"],
+        sampling["seed"],
+        sampling["stop"],
+        bad_words,
+    )
+
+
 _OPENAI = {"max_tokens": "max_tokens", "stop": "stop"}
 _TRITON = {"max_tokens": "max_tokens", "stop": "stop_words"}
 
@@ -170,12 +192,7 @@ def _common(body: dict[str, Any], request_id: str, prompt: str, cap: int) -> Gen
     _openai_max_tokens(body)
     n = _integer(body, "n", 1, 1)
     del n  # only n=1 is served; larger values are refused by the range check above
-    return GenerationRequest(
-        request_id=request_id,
-        prompt=prompt,
-        stream=_flag(body, "stream"),
-        **_sampling(body, cap, _OPENAI),
-    )
+    return _request(request_id, prompt, _flag(body, "stream"), _sampling(body, cap, _OPENAI), ())
 
 
 def parse_chat(
@@ -218,12 +235,7 @@ def parse_generate(
     seed = _integer(body, "random_seed", 0, (1 << 63) - 1)
     if sampling["seed"] is None and seed is not None:
         sampling["seed"] = seed
-    request = GenerationRequest(
-        request_id=request_id,
-        prompt=prompt,
-        stream=stream or _flag(body, "stream"),
-        bad_words=_strings(body, "bad_words"),
-        **sampling,
-    )
+    stream = stream or _flag(body, "stream")
+    request = _request(request_id, prompt, stream, sampling, _strings(body, "bad_words"))
     echo = not _flag(body, "exclude_input_in_output", False)
-    return Parsed(model, request, echo_prompt=echo, episode=episode)
+    return Parsed(model, request, echo, episode)  # model, request, echo_prompt, episode

@@ -104,6 +104,9 @@ class Outcome:
     first_chunk_s: float
 
 
+_NO_STATS = EngineStats()  # a request that ended before the engine said anything
+
+
 def _ttft_ms(stats: EngineStats | None, outcome: Outcome) -> float:
     if stats is not None and stats.first_token_ns and stats.arrival_ns:
         return round((stats.first_token_ns - stats.arrival_ns) / 1e6, 3)
@@ -128,7 +131,7 @@ def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
     """Every field of DESIGN.md §5 but the chain fields (``CHAIN_FIELDS``), which the ledger
     adds when the chain steps (or sets to None while the step waits for Redis)."""
     request, principal, admission = parts.request, parts.principal, parts.admission
-    stats = outcome.stats or EngineStats()
+    stats = outcome.stats or _NO_STATS
     sampling = request.sampling()
     evaluating = admission.run is not None
     return {

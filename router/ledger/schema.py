@@ -101,15 +101,15 @@ def advance_from(replica: str, raw: Any) -> Advance | None:
         return None
     status, generation, seq, before, after, known = parts
     stale = status == "stale"
-    return Advance(
+    return Advance(  # replica, generation, seq, state_before, state_after, known, stale, unordered
         replica,
         int(generation),
         None if stale else int(seq),
         None if stale else before,
         None if stale else after,
-        known=known == "1",
-        stale=stale,
-        unordered=status == "unordered",
+        known == "1",
+        stale,
+        status == "unordered",
     )
 
 
