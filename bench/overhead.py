@@ -6,9 +6,10 @@ replica transport asked for), a bare aiohttp + uvloop pass-through (the floor of
 nginx with a keep-alive upstream when it is installed; besides the direct call, the replica asked
 directly for its tokens as kvledger asks it (what that transport costs the replica itself, with
 no proxy). Then interleaved rounds, the order of targets reversed every other round, of:
-latency at concurrency 1, throughput at concurrency 32, and time to the first streamed event. CPU per request comes from /proc (utime + stime of the
-target's processes over the measured window), Redis commands per request from ``INFO
-commandstats`` over the kvledger windows and a short ``MONITOR`` sample (sent vs inside Lua).
+latency at concurrency 1, throughput at concurrency 32, and time to the first streamed event.
+CPU per request comes from /proc (utime + stime of the target's processes over the measured
+window), Redis commands per request from ``INFO commandstats`` over the kvledger windows and a
+short ``MONITOR`` sample (sent vs inside Lua).
 Every response is checked (status; for kvledger the lineage record); failures are reported and
 never counted as latency. Writes docs/results/overhead.md.
 
