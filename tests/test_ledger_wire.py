@@ -153,3 +153,19 @@ async def test_the_urls_user_password_and_database_are_used(
 def test_what_it_does_not_speak_stays_on_redis_py() -> None:
     assert Wire.like(aioredis.Redis.from_url("unix:///tmp/redis.sock")) is None
     assert Wire.like(aioredis.Redis.from_url("rediss://127.0.0.1:6380/0")) is None
+
+
+async def test_every_kind_of_argument_reaches_redis_as_its_bytes(
+    pair: tuple[aioredis.Redis, Wire],
+) -> None:
+    """Whatever a caller passes (text in any script, bytes with CR LF and NUL in them, numbers,
+    flags, buffers, a record of a megabyte) Redis stores exactly the bytes meant, and the
+    connection stays in step for the next command."""
+    client, wire = pair
+    values: list[object] = ["plain", "é ü 漢字 \U0001f600", b"a\r\nb\x00c", b"", 0, -7, 2**70]
+    values += [True, False, 1.5, bytearray(b"buf"), memoryview(b"view"), b"r" * 1_000_000]
+    expected = [b"plain", "é ü 漢字 \U0001f600".encode(), b"a\r\nb\x00c", b"", b"0", b"-7"]
+    expected += [str(2**70).encode(), b"1", b"0", b"1.5", b"buf", b"view", b"r" * 1_000_000]
+    assert await wire.call("RPUSH", "kinds", *values, timeout_s=5) == len(values)  # type: ignore[arg-type]
+    assert await client.lrange("kinds", 0, -1) == expected
+    assert await wire.call("PING") == b"PONG"
