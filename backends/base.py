@@ -121,10 +121,16 @@ class ReplicaCounters:
     iteration_counter: float = 0.0
     reused_blocks: float = 0.0
     active: float = 0.0  # requests the engine holds now (queued or running), from any client
+    scheduled: float = 0.0  # of those, the ones it is running now (the rest wait)
     # KV-cache blocks in use now (cached or held by a request); None when the metrics page has
     # no such gauge: then nothing proves the cache empty.
     used_blocks: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def waiting(self) -> float:
+        """Requests the engine holds but does not run yet (queued behind the others)."""
+        return max(0.0, self.active - self.scheduled)
 
     @property
     def proven_empty(self) -> bool:

@@ -216,6 +216,7 @@ class TritonControl:
             iteration_counter=sample(page, "nv_trt_llm_general_metrics", "iteration_counter"),
             reused_blocks=sample(page, _KV, 'kv_cache_block_type="reused"'),
             active=sample(page, "nv_trt_llm_request_metrics", 'request_type="active"'),
+            scheduled=sample(page, "nv_trt_llm_request_metrics", 'request_type="scheduled"'),
             used_blocks=found_sample(page, _KV, 'kv_cache_block_type="used"'),
             metrics=page,
         )

@@ -6,16 +6,30 @@ so a streamed request of a few hundred tokens would pay more than the whole prox
 chunk it records when the wait began. When the timer finds the current wait older than the
 deadline, it cancels the waiting task the way ``asyncio.timeout`` does, and :meth:`expired`
 tells that cancellation apart from any other (a client gone, a shutdown).
+
+A wait may also be credited with progress that is not a chunk (``credit``): a request waiting
+for its first chunk (a prefill, or a whole non-streamed answer, which Triton sends at once) shows
+nothing of its own until it arrives, so the engine's own progress counts instead (see
+``router.fleet``). The deadline is then ``timeout_s`` after the later of the wait's start and the
+credit's ``progressed_at``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
+
+
+class Credit(Protocol):
+    """Progress seen elsewhere: when it was last seen, on the event loop's clock."""
+
+    progressed_at: float
 
 
 class Deadline:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, credit: Credit | None = None) -> None:
         self.timeout_s = timeout_s
+        self.credit = credit  # None: only the waits' own ends count as progress
         self._loop = asyncio.get_running_loop()
         self._since: float | None = None  # when the current wait began; None between waits
         self._task: asyncio.Task[object] | None = None
@@ -55,6 +69,9 @@ class Deadline:
         if self._since is None:
             return  # not waiting: the next wait arms the timer again
         due = self._since + self.timeout_s
+        credit = self.credit
+        if credit is not None and credit.progressed_at + self.timeout_s > due:
+            due = credit.progressed_at + self.timeout_s
         # The loop may run a timer up to its clock resolution early: a millisecond is close enough.
         if self._loop.time() >= due - 1e-3 and self._task is not None:
             self._fired = True

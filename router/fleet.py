@@ -4,9 +4,15 @@ Health has two sources. The monitor's check (readiness and counters, under a sho
 marks a replica that does not answer, or is not ready, unhealthy, and healthy again when it
 answers. Requests add the other: every stream goes through :meth:`ReplicaState.watch`, which
 ends a request that made no progress (no chunk) for ``backend_timeout_s`` by closing its stream,
-which cancels it inside the replica, and answers 504. A replica whose requests time out
-``unhealthy_after_timeouts`` times in a row is *stalled*: unhealthy, so routed around, even
-while its health API still answers (an engine stuck on one huge request behind a live server).
+which cancels it inside the replica, and answers 504. Until its first chunk a request shows
+nothing of its own (a prefill; a non-streamed answer, which comes whole), so there the engine's
+progress counts too: the monitor's reading that the engine's iteration counter rose while no
+request waited in it (every request it held was running, this one too). A request queued behind
+another, or on an engine that stopped iterating, still ends after ``backend_timeout_s``; a long
+non-streamed answer on an engine with a queue too (nothing tells its progress from a wait).
+A replica whose requests time out ``unhealthy_after_timeouts`` times in a row is *stalled*:
+unhealthy, so routed around, even while its health API still answers (an engine stuck on one
+huge request behind a live server).
 The monitor lets it back when the engine holds no request any more (whatever blocked it ended
 or was cancelled), or, failing that, after a cool-off of three deadlines (at least 10 s) on
 probation: one more timeout and it is stalled again, one chunk and it is trusted again.
@@ -14,6 +20,7 @@ probation: one more timeout and it is stalled again, one chunk and it is trusted
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +59,9 @@ class ReplicaState:
     unhealthy_after: int = 3  # requests timed out in a row before the replica is stalled
     timeouts: int = 0  # requests timed out in a row
     stalled_at: float | None = None  # when timeouts took it out of routing (monotonic clock)
+    # When the monitor last saw the engine progress for every request it held (the event
+    # loop's clock): the credit of requests still waiting for their first chunk.
+    progressed_at: float = -math.inf
 
     # From ``settings`` (read on every request: attributes, not properties).
     id: str = field(init=False)
@@ -105,6 +115,13 @@ class ReplicaState:
             _log.info("replica_recovered", replica=self.id, active=counters.active)
         self.healthy = True
 
+    def engine_seen(self, before: ReplicaCounters | None, now: ReplicaCounters, at: float) -> None:
+        """The monitor's reading at ``at`` (the loop's clock): the engine iterated since the
+        last one and no request waits in it, so each request it holds made progress."""
+        if before is not None and now.iteration_counter > before.iteration_counter:
+            if now.waiting == 0:
+                self.progressed_at = at
+
     def view(self) -> ReplicaView:
         # id, healthy, leased, draining, in_flight, capacity_weight, production (positional:
         # see backends.base on per-request values)
@@ -124,7 +141,7 @@ class Watched:
     def __init__(self, replica: ReplicaState, stream: AsyncGenerator[Chunk, None]) -> None:
         self._replica = replica
         self._stream = stream
-        self._deadline = Deadline(replica.timeout_s)
+        self._deadline = Deadline(replica.timeout_s, replica)  # credited until a first chunk
 
     def __aiter__(self) -> Watched:
         return self
@@ -148,6 +165,7 @@ class Watched:
                 " (backend_timeout_s); the request was cancelled"
             ) from exc
         deadline.done()
+        deadline.credit = None  # from now on, only chunks show progress
         self._replica.timeouts = 0
         return chunk
 

@@ -117,6 +117,7 @@ class Monitor:
         if reason is not None:
             self._pending[replica.id] = reason
         replica.answered(now, time.monotonic())
+        replica.engine_seen(replica.counters, now, asyncio.get_running_loop().time())
         replica.counters = now
         self._down[replica.id] = False
         with contextlib.suppress(LedgerError, BackendError):

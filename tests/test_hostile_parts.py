@@ -1,5 +1,6 @@
 """The pure parts behind hostile-input handling: chat parsing, the prompt-length rule, the
-stream deadline and stall bookkeeping, the bounded key cache."""
+stream deadline (and the engine's progress it credits) and stall bookkeeping, the bounded key
+cache."""
 
 from __future__ import annotations
 
@@ -122,6 +123,71 @@ async def test_a_cancel_from_elsewhere_is_not_a_timeout() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert closed == [True] and replica.timeouts == 0
+
+
+async def _answer_after(delay_s: float) -> AsyncGenerator[Chunk, None]:
+    await asyncio.sleep(delay_s)  # a prefill, or a whole non-streamed answer: nothing before
+    yield Chunk("answer", True)
+
+
+async def _engine_progress(replica: ReplicaState, every_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every_s)
+        replica.progressed_at = loop.time()  # as the monitor sets it
+
+
+async def test_the_engines_progress_keeps_a_first_chunk_waiting() -> None:
+    """A first chunk that takes four deadlines arrives while the engine is seen progressing;
+    the same wait without that progress ends in a 504 after one deadline."""
+    replica = state(timeout_s=0.1)
+    progress = asyncio.ensure_future(_engine_progress(replica, 0.03))
+    try:
+        assert (await anext(replica.watch(_answer_after(0.4)))).text == "answer"
+    finally:
+        progress.cancel()
+    assert replica.timeouts == 0
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(GatewayTimeout):
+        await anext(state(timeout_s=0.1).watch(_answer_after(0.4)))
+    assert asyncio.get_running_loop().time() - started < 0.3
+
+
+async def test_progress_seen_before_a_wait_or_after_the_first_chunk_does_not_count() -> None:
+    """Engine progress seen before the wait began is no credit, and once a chunk came only
+    chunks count: a stream stuck after its first token ends after one deadline."""
+    replica = state(timeout_s=0.1)
+    replica.progressed_at = asyncio.get_running_loop().time() - 0.05  # seen just before
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(GatewayTimeout):
+        await anext(replica.watch(_answer_after(0.4)))
+    assert asyncio.get_running_loop().time() - started < 0.3
+    watched = replica.watch(_silent([]))
+    assert (await anext(watched)).text == "first"
+    progress = asyncio.ensure_future(_engine_progress(replica, 0.03))
+    try:
+        async with asyncio.timeout(1.0):  # credited still, it would wait for ever
+            with pytest.raises(GatewayTimeout):
+                await anext(watched)
+    finally:
+        progress.cancel()
+
+
+def test_the_engine_progresses_for_a_request_only_when_none_waits() -> None:
+    """The monitor credits progress when the iteration counter rose and no request waits in
+    the engine (each one it holds is running); a queue, or no new iteration, is no credit."""
+    r = state()
+    before = ReplicaCounters(ready=True, iteration_counter=10, active=1, scheduled=1)
+    r.engine_seen(before, ReplicaCounters(ready=True, iteration_counter=10, active=1), 5.0)
+    assert r.progressed_at == float("-inf")  # no new iteration
+    queued = ReplicaCounters(ready=True, iteration_counter=20, active=2, scheduled=1)
+    r.engine_seen(before, queued, 6.0)
+    assert r.progressed_at == float("-inf")  # one request waits: maybe this one
+    running = ReplicaCounters(ready=True, iteration_counter=20, active=1, scheduled=1)
+    r.engine_seen(None, running, 7.0)
+    assert r.progressed_at == float("-inf")  # nothing to compare with yet
+    r.engine_seen(before, running, 8.0)
+    assert r.progressed_at == 8.0
 
 
 def test_timeouts_in_a_row_stall_until_idle_or_cooled_off() -> None:

@@ -139,6 +139,7 @@ def tensorrt_llm(engine_dir: str, reuse: bool, max_tokens_in_paged_kv_cache: int
         "enable_chunked_context": "true",
         "exclude_input_in_output": "false",
         "cancellation_check_period_ms": "50",
+        "stats_check_period_ms": "100",
     }
     return (
         _header("tensorrt_llm", "python")

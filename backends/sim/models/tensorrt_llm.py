@@ -18,6 +18,10 @@ cancels it or when a request with ``stop: true`` names its request id, and answe
 
 Requests are served one at a time in arrival order by a worker thread, as an in-flight batcher
 with batch size one would: the order requests reach the engine is the order they change its cache.
+Its metrics (requests active, scheduled and waiting; KV-cache blocks; the iteration counter) are
+published when a request arrives, starts and ends, and while one runs every
+``stats_check_period_ms`` (100 by default), as the real backend's statistics thread publishes
+the executor's latest iteration statistics.
 """
 
 from __future__ import annotations
@@ -198,6 +202,9 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.live: dict[str, list[Job]] = {}  # request id -> admitted, unfinished jobs
         self.running: Job | None = None
+        self.stats_period_s = int(params.get("stats_check_period_ms") or 100) / 1000
+        self.published = time.monotonic()
+        self.context_tokens = 0
         self.metrics.update(self.engine, 0, 0)
         self.worker = threading.Thread(target=self._serve, name="sim-engine", daemon=True)
         self.worker.start()
@@ -242,7 +249,16 @@ class TritonPythonModel:
 
     def _publish(self, context_tokens: int = 0) -> None:
         running = 1 if self.running is not None else 0
+        self.context_tokens = context_tokens
+        self.published = time.monotonic()
         self.metrics.update(self.engine, self.jobs.qsize(), running, context_tokens)
+
+    def _between_iterations(self, job: Job) -> bool:
+        """Asked by the engine between iterations: publish the statistics when they are due
+        (from the worker thread, as the real backend's statistics thread does); cancelled?"""
+        if time.monotonic() - self.published >= self.stats_period_s:
+            self._publish(self.context_tokens)
+        return job.cancelled()
 
     def _serve(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -273,7 +289,7 @@ class TritonPythonModel:
                 parsed.ids,
                 parsed.params,
                 on_token=on_token if parsed.streaming else None,
-                is_cancelled=job.cancelled,
+                is_cancelled=lambda: self._between_iterations(job),
                 arrival_time_ns=job.arrival_ns,
             )
         except EngineError as exc:
