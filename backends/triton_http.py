@@ -1,4 +1,5 @@
-"""Triton over HTTP keep-alive: generations from ``POST /v2/models/{model}/generate_stream``.
+"""Triton over HTTP keep-alive: Triton's generate extension, ``POST /v2/models/{model}/generate``
+for one answer and ``generate_stream`` for a stream of tokens.
 
 One pool of keep-alive connections per replica (``backends.triton_http_wire``: a minimal
 HTTP/1.1 client, as aiohttp's client costs about as much CPU as the rest of the hop), so no
@@ -6,23 +7,34 @@ request pays a connection set-up, and a request costs one HTTP/1.1 exchange inst
 bidirectional stream (``bench/overhead.py`` measures the difference). Model control,
 statistics and metrics stay on :class:`backends.triton.TritonBackend`, which this class extends.
 
-Every generation, streamed or not, goes through the streaming endpoint with the model's
-``stream`` input on: Triton's HTTP server notices a client that left only when it next writes to
-the connection (triton-inference-server/server issue 7077), and a streamed response writes at
-every token, so closing the connection stops the request inside Triton within a token or two.
-The events that arrive in one read become one chunk: a non-streamed answer, or a stream whose
-client reads slower than the engine writes, pays the proxy's per-chunk work once per read, not
-once per token.
+A request asks the replica the way its client asked the proxy. A streamed one goes to
+``generate_stream`` with the model's ``stream`` input on, and the events that arrive in one read
+become one chunk (a client that reads slower than the engine writes pays the proxy's per-chunk
+work once per read, not once per token). A non-streamed one goes to ``generate`` with ``stream``
+off: the engine sends one response and Triton one JSON body, as to the floor of the stack (a
+bare pass-through). Asking for its tokens instead would cost the replica a response per token
+(through a TensorRT-LLM ensemble, a ``postprocessing`` step per token) and the proxy an event
+per token, for an answer nobody reads before its end: with the benchmark's trivial model, that
+alone cost more latency than the whole budget of the proxy (``bench/overhead.py``).
+
+A client gone: closing the connection is not enough. Triton's HTTP server notices a client
+that left only when it next writes to the connection (triton-inference-server/server issue
+7077), which for one answer is at its end, and an ensemble is cancelled only between its steps.
+So an abandoned request, streamed or not, closes its connection *and* asks the engine model to
+stop its request id (``TritonBackend._stop``: TensorRT-LLM's ``stop`` input, which cancels the
+request inside the executor); the engine stops within an iteration or two.
 
 How Triton maps the body (``src/http_server.cc``, ``HandleGenerate``): each top-level key that
 names a model input becomes that input (a scalar or a 1-D array, reshaped to the input's
-dims), any other key a request parameter, ``id`` the request id. Each response becomes one
-server-sent event ``data: {JSON}``: every output by name (one-element tensors as scalars),
-``model_name`` and ``model_version``; an error is ``data: {"error": "..."}`` (with the HTTP
-status of its code when it is the first response). The final response ends the chunked body; a
-final response without outputs (a decoupled model's flags-only end) adds no event. Statistics
-are therefore taken from whichever events carry them (``backends.triton.parse_stats``, shared
-with the gRPC transport), not only from the last event.
+dims), any other key a request parameter, ``id`` the request id. Each response becomes a JSON
+object of every output by name (one-element tensors as scalars), ``model_name`` and
+``model_version``: ``generate``'s body, or one server-sent event ``data: {JSON}`` of
+``generate_stream``; an error is ``{"error": "..."}`` (with the HTTP status of its code when it is
+the first response, but 200 when the frontend itself refused: ``generate`` on a model that sent
+more than one response). The final response ends the body; a final response without outputs (a
+decoupled model's flags-only end) adds no event. Statistics are therefore taken from whichever
+events carry them (``backends.triton.parse_stats``, shared with the gRPC transport), not only
+from the last event.
 
 Errors, into the tree of ``backends.base``: nothing streamed and the replica unreachable (refused,
 reset, 503, model not found) is :class:`BackendUnavailable`, so production fails over; the
@@ -51,16 +63,16 @@ from backends.base import (
     GenerationRequest,
 )
 from backends.triton import TritonBackend, TritonTarget, parse_stats
-from backends.triton_http_wire import Pool, WireError
+from backends.triton_http_wire import Connection, Pool, Response, WireError
 
 
 def request_body(target: TritonTarget, request: GenerationRequest) -> bytes:
-    """The generate body: the ensemble's inputs by name, streaming on, statistics asked for."""
+    """The generate body: the ensemble's inputs by name, statistics asked for."""
     body: dict[str, Any] = {
         "id": request.request_id,
         "text_input": request.prompt,
         "max_tokens": request.max_tokens,
-        "stream": True,
+        "stream": request.stream,
         "exclude_input_in_output": True,
         target.perf_input: True,
     }
@@ -110,12 +122,17 @@ class TritonHttpBackend(TritonBackend):
     def __init__(self, target: TritonTarget, http_url: str, http: aiohttp.ClientSession) -> None:
         super().__init__(target, http)
         self._pool = Pool(http_url, target.timeout_s)
-        self._path = f"/v2/models/{target.model}/generate_stream"
+        self._generate = f"/v2/models/{target.model}/generate"
+        self._generate_stream = f"/v2/models/{target.model}/generate_stream"
 
-    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
-        body = request_body(self.target, request)
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
+        if request.stream:
+            return self._tokens(request)
+        return self._answer(request)
+
+    async def _post(self, path: str, request: GenerationRequest) -> tuple[Response, Connection]:
         try:
-            response, connection = await self._pool.post(self._path, body)
+            return await self._pool.post(path, request_body(self.target, request))
         except WireError as exc:
             raise BackendUnavailable(self.replica_id, str(exc)) from exc
         except asyncio.CancelledError:
@@ -123,40 +140,76 @@ class TritonHttpBackend(TritonBackend):
             # prefill is spent here): the connection is closed; the engine is asked to stop.
             await self._stop(request.request_id)
             raise
+
+    async def _answer(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
+        """A non-streamed request: ``generate``'s one JSON answer, as one final chunk."""
+        response, connection = await self._post(self._generate, request)
+        released = failed = False
+        try:
+            raw = await response.read_all()
+            outputs = self._outputs(response.status, raw)
+            # Back to the pool before the chunk: the caller may never close this generator.
+            self._pool.release(response, connection)
+            released = True
+            text = outputs.get("text_output")
+            yield Chunk(str(text) if text else "", True, parse_stats(outputs))
+        except WireError as exc:  # the answer had begun: the request reached the engine
+            failed = True
+            raise BackendFailed(self.replica_id, str(exc)) from exc
+        except BackendError:
+            failed = True
+            raise
+        finally:
+            if not released:
+                self._pool.release(response, connection)  # closes it: the answer is unread
+                if not failed:
+                    await self._stop(request.request_id)
+
+    def _outputs(self, status: int, raw: bytes) -> dict[str, Any]:
+        """The outputs of ``generate``'s answer; an error answer raises."""
+        try:
+            outputs = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            outputs = None
+        if type(outputs) is dict and status == 200 and "error" not in outputs:
+            return outputs
+        if status == 200 and type(outputs) is dict:
+            raise self._classify(str(outputs["error"]), status)
+        if status == 200:
+            raise BackendFailed(self.replica_id, f"not a JSON object: {raw[:200]!r}")
+        raise self._refused(status, raw)
+
+    async def _tokens(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
+        """A streamed request: ``generate_stream``'s events, those of one read as one chunk."""
+        response, connection = await self._post(self._generate_stream, request)
         produced = released = failed = False
         stats: EngineStats | None = None
-        # A non-streamed request needs only the whole answer: woken once it may be complete,
-        # or every quarter of the no-progress deadline while it is not (the progress it sees).
-        gather_s = None if request.stream else self.target.timeout_s / 4
         try:
             if response.status != 200:
                 failed = True
                 raise self._refused(response.status, await response.read_all())
             buffer = b""
-            pieces: list[str] = []
-            while (data := await response.read(gather_s)) is not None:
+            while (data := await response.read()) is not None:
                 data = buffer + data
                 end = data.rfind(b"\n\n")  # the events that arrived whole; the rest waits
-                if end < 0:
-                    buffer = data
-                    continue
-                buffer = data[end + 2 :]
-                events = self._events(data[:end], produced)
-                # Per output, the last event that has it counts (as parse_stats over a stream).
-                stats = parse_stats(events[0] if len(events) == 1 else _merged(events), stats)
-                texts = [str(text) for outputs in events if (text := outputs.get("text_output"))]
-                if texts:
-                    produced = True
-                    pieces += texts
-                if pieces and not response.complete:
-                    yield Chunk("".join(pieces))  # the tokens that arrived together, as one
-                    pieces = []
-            if buffer.strip():
-                raise BackendFailed(self.replica_id, "the stream ended inside an event")
-            # Back to the pool before the last chunk: the caller may never close this generator.
-            self._pool.release(response, connection)
-            released = True
-            yield Chunk("".join(pieces), True, stats)  # the last: text, final, stats
+                buffer = data[end + 2 :] if end >= 0 else data
+                text = ""
+                if end >= 0:
+                    events = self._events(data[:end], produced)
+                    # Per output, the last event that has it counts (as parse_stats does).
+                    stats = parse_stats(events[0] if len(events) == 1 else _merged(events), stats)
+                    text = "".join(str(t) for e in events if (t := e.get("text_output")))
+                    produced = produced or bool(text)
+                if response.complete:  # read() gave the data that ends the body
+                    if buffer.strip():
+                        raise BackendFailed(self.replica_id, "the stream ended inside an event")
+                    # Back to the pool before the last chunk: the caller may never close us.
+                    self._pool.release(response, connection)
+                    released = True
+                    yield Chunk(text, True, stats)  # the last: text, final, stats
+                    return
+                if text:
+                    yield Chunk(text)  # the tokens that arrived together, as one
         except WireError as exc:
             failed = True
             kind = BackendFailed if produced else BackendUnavailable

@@ -7,12 +7,6 @@ request on an idle connection, then read a status, a few headers, and a body in
 ``Content-Length`` or ``chunked`` framing. This module does that on asyncio's Protocol API and
 nothing else (no redirects, cookies, proxies, TLS or compression).
 
-A reader that needs only the whole answer (a non-streamed request) can ask to be woken less
-often (``Response.read(gather_s)``): the connection then hands on bytes as they arrive but wakes
-the reading task only when the buffer ends where a chunked body can end, or once ``gather_s`` has
-passed since the wait began, so that a caller's no-progress deadline still sees progress. A
-decoupled model's answer of many events then costs one wake-up instead of one per read.
-
 Errors: :class:`WireError` (with ``answered``: whether any of the response arrived).
 """
 
@@ -31,29 +25,22 @@ class WireError(Exception):
         self.answered = answered  # some of the response arrived
 
 
-# A chunked body ends with the last chunk's line and its (here empty) trailers: CRLF CRLF. Its
-# events end with LF LF, so a buffer that stops mid-body rarely ends so; when it does, the reader
-# wakes early, finds the body incomplete and waits again.
-_MAY_END = b"\r\n\r\n"
+class Connection(asyncio.Protocol):
+    """One keep-alive connection: the bytes received and not yet read, and a waiter."""
 
-
-class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.WriteTransport | None = None
         self.buffer = bytearray()
         self.closed = False
         self._waiter: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
-        self._until: float | None = None  # gathering: wake before a possible end only after this
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.WriteTransport, transport)  # uvloop's is no subclass
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        until = self._until
-        if until is None or self.buffer.endswith(_MAY_END) or self._loop.time() >= until:
-            self._wake()
+        self._wake()
 
     def eof_received(self) -> bool:
         self.closed = True
@@ -68,18 +55,15 @@ class _Connection(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def more(self, gather_s: float | None = None) -> None:
-        """Wait until more bytes arrived or the connection closed; with ``gather_s``, until the
-        bytes may end a chunked body or ``gather_s`` has passed (see the module docstring)."""
+    async def more(self) -> None:
+        """Wait until more bytes arrived or the connection closed."""
         if self.closed:
             raise WireError("the replica closed the connection", answered=True)
-        if gather_s is not None:
-            self._until = self._loop.time() + gather_s
         self._waiter = self._loop.create_future()
         try:
             await self._waiter
         finally:
-            self._waiter = self._until = None
+            self._waiter = None
 
     def close(self) -> None:
         self.closed = True
@@ -90,7 +74,7 @@ class _Connection(asyncio.Protocol):
 class Response:
     """One response: ``status``, then ``body()`` pieces as they arrive (chunked or sized)."""
 
-    def __init__(self, connection: _Connection, status: int, headers: dict[bytes, bytes]) -> None:
+    def __init__(self, connection: Connection, status: int, headers: dict[bytes, bytes]) -> None:
         self._c = connection
         self.status = status
         self.chunked = headers.get(b"transfer-encoding", b"").lower() == b"chunked"
@@ -98,11 +82,10 @@ class Response:
         self.keep_alive = headers.get(b"connection", b"").lower() != b"close"
         self.complete = False
 
-    async def read(self, gather_s: float | None = None) -> bytes | None:
+    async def read(self) -> bytes | None:
         """The body's next data: every chunk complete in the buffer, joined, so that a read
         that brought several (a decoupled model's responses) is handled once; None once the
-        body has ended. ``complete`` is set with the data that ends the body. ``gather_s``: wake
-        less often (see the module docstring)."""
+        body has ended. ``complete`` is set with the data that ends the body."""
         if self.complete:
             return None
         buffer = self._c.buffer
@@ -119,7 +102,7 @@ class Response:
                 self.complete = True
             if pieces or ended:
                 return b"".join(pieces)
-            await self._c.more(gather_s)
+            await self._c.more()
 
     async def read_all(self) -> bytes:
         """The whole (rest of the) body."""
@@ -163,18 +146,18 @@ class Pool:
         self.hostport = parts.netloc
         self.prefix = parts.path.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
-        self._idle: list[_Connection] = []
+        self._idle: list[Connection] = []
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, connection = await loop.create_connection(_Connection, self.host, self.port)
+                _, connection = await loop.create_connection(Connection, self.host, self.port)
         except (OSError, TimeoutError) as exc:
             raise WireError(f"cannot connect to {self.hostport}: {exc}", answered=False) from exc
         return connection
 
-    async def post(self, path: str, body: bytes) -> tuple[Response, _Connection]:
+    async def post(self, path: str, body: bytes) -> tuple[Response, Connection]:
         """Send the request and read the status and headers; a reused connection the server had
         closed meanwhile is replaced once (nothing ran on it)."""
         head = (
@@ -199,7 +182,7 @@ class Pool:
                 connection.close()
                 raise
 
-    def release(self, response: Response, connection: _Connection) -> None:
+    def release(self, response: Response, connection: Connection) -> None:
         """Back to the pool if the response was read to its end, else closed (which tells the
         replica that its client left)."""
         if response.complete and response.keep_alive and not connection.closed:
@@ -214,7 +197,7 @@ class Pool:
         self._idle.clear()
 
 
-async def _head(connection: _Connection) -> Response:
+async def _head(connection: Connection) -> Response:
     buffer = connection.buffer
     end = buffer.find(b"\r\n\r\n")
     while end < 0:
