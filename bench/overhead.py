@@ -3,10 +3,9 @@
 Starts a trivial Triton model with the ``ensemble`` interface that answers at once (so only the
 proxies are timed), a private Redis, ``kvledger serve`` with the ledger on (one process per
 replica transport asked for), a bare aiohttp + uvloop pass-through (the floor of our stack) and
-nginx with a keep-alive upstream when it is installed; besides the direct call, the replica asked
-directly for its tokens as kvledger asks it (what that transport costs the replica itself, with
-no proxy). Then interleaved rounds, the order of targets reversed every other round, of:
-latency at concurrency 1, throughput at concurrency 32, and time to the first streamed event.
+nginx with a keep-alive upstream when it is installed. Then interleaved rounds, the order of
+targets reversed every other round, of: latency at concurrency 1, throughput at concurrency 32,
+and time to the first streamed event.
 CPU per request comes from /proc (utime + stime of the target's processes over the measured
 window), Redis commands per request from ``INFO commandstats`` over the kvledger windows and a
 short ``MONITOR`` sample (sent vs inside Lua).
@@ -29,7 +28,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -49,12 +47,7 @@ from bench.overhead_targets import (
 from router.cli.local import RedisServer, create_key
 
 DIRECT = "Triton direct"
-# The replica asked as kvledger asks it (generate_stream, its tokens read to the end), with no
-# proxy: what issue 12 item 2's transport costs the replica itself.
-DIRECT_TOKENS = "Triton direct, tokens streamed"
 FLOOR = "aiohttp pass-through"
-# The same pass-through asking the replica as kvledger does: tokens streamed, collected.
-FLOOR_TOKENS = "aiohttp pass-through, tokens collected"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -185,13 +178,13 @@ def main() -> None:
     redis.start()
     try:
         with trivial_triton(root) as replica, contextlib.ExitStack() as stack:
-            direct = Target(DIRECT, replica.http_url, GENERATE, [], direct=True)
-            targets = [direct, replace(direct, name=DIRECT_TOKENS, tokens=True)]
+            direct = Target(DIRECT, replica.http_url, GENERATE)
+            targets = [direct]
             proxy = stack.enter_context(nginx(f"127.0.0.1:{replica.http_port}"))
             notes = [] if proxy else ["nginx is not installed: skipped (apt-get install nginx)"]
             targets += [proxy] if proxy else []
             floor = stack.enter_context(passthrough(replica.http_url))
-            targets += [floor, replace(floor, name=FLOOR_TOKENS, tokens=True)]
+            targets.append(floor)
             transports = args.transports.split(",")
             targets += _kvledger_targets(stack, replica, redis.url, transports)
             results = asyncio.run(measure(targets, args, redis.url))
@@ -199,7 +192,7 @@ def main() -> None:
     finally:
         redis.close()
         shutil.rmtree(root, ignore_errors=True)
-    text = render(results, (DIRECT, DIRECT_TOKENS), [FLOOR, FLOOR_TOKENS], _header(args, results))
+    text = render(results, DIRECT, FLOOR, _header(args, results))
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

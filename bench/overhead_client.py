@@ -65,12 +65,8 @@ def request_for(target: Target, stream: bool, max_tokens: int) -> tuple[str, byt
         return target.base + target.path, orjson.dumps(payload)
     payload = {"text_input": PROMPT, "max_tokens": max_tokens}
     if not target.kvledger:
-        # Triton asked directly for its tokens: streamed, read to the end as one answer.
-        payload |= {**_ENGINE_FLAGS, "stream": stream or (target.direct and target.tokens)}
-    if stream or (target.direct and target.tokens):
-        return target.base + target.path + "_stream", orjson.dumps(payload)
-    collect = "/collect" if target.tokens else ""
-    return target.base + collect + target.path, orjson.dumps(payload)
+        payload |= {**_ENGINE_FLAGS, "stream": stream}
+    return target.base + target.path + ("_stream" if stream else ""), orjson.dumps(payload)
 
 
 def check_body(target: Target, data: bytes) -> str | None:
@@ -123,8 +119,7 @@ async def _one(
     except (aiohttp.ClientError, TimeoutError) as exc:
         into.failures.append(f"{type(exc).__name__}: {exc}")
         return
-    events = stream or (target.direct and target.tokens)
-    problem = check_stream(target, data) if events else check_body(target, data)
+    problem = check_stream(target, data) if stream else check_body(target, data)
     if problem is not None:
         into.failures.append(problem)
         return

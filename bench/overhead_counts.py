@@ -2,8 +2,7 @@
 
 ``bench/overhead.py`` times CPU from /proc, which a shared machine makes noisy (other guests,
 other work): two rounds of the same code differ by a fifth. This benchmark counts instead, in
-front of the same trivial Triton model, for the bare pass-through (the issue's floor), the same
-pass-through asking the replica as kvledger asks it (tokens streamed, collected), kvledger's
+front of the same trivial Triton model, for the bare pass-through (the issue's floor), kvledger's
 plumbing alone (``bench/overhead_plumbing.py``: its server, replica and Redis wires, none of
 its own work), and kvledger with the ledger on:
 
@@ -36,7 +35,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -54,7 +53,6 @@ from router.cli.local import RedisServer, create_key
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR = "aiohttp pass-through"
-FLOOR_TOKENS = "aiohttp pass-through, tokens collected"
 PLUMBING = "kvledger's plumbing alone"
 KVLEDGER = "kvledger http /generate"
 
@@ -140,7 +138,7 @@ def strace(pid: int, workdir: Path, measured: Callable[[], None], requests: int)
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Counts]:
-    counts = {name: Counts() for name in (FLOOR, FLOOR_TOKENS, PLUMBING, KVLEDGER)}
+    counts = {name: Counts() for name in (FLOOR, PLUMBING, KVLEDGER)}
     prefix = workdir / "callgrind.out"
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
     valgrind += [f"--callgrind-out-file={prefix}.%p", sys.executable]
@@ -152,10 +150,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Counts]:
             auth = {"Authorization": f"Bearer {key}"}
             for tool, python in (("callgrind", valgrind), ("strace", None)):
                 with passthrough(replica.http_url, python) as floor:
-                    tokens = replace(floor, name=FLOOR_TOKENS, tokens=True)
-                    for target in (floor, tokens):
-                        pid = floor.pids[0]
-                        _count(tool, counts[target.name], target, pid, args, prefix, workdir)
+                    _count(tool, counts[FLOOR], floor, floor.pids[0], args, prefix, workdir)
                 with plumbing(replica.http_url, redis.port, python) as lean:
                     pid = lean.pids[0]
                     _count(tool, counts[PLUMBING], lean, pid, args, prefix, workdir)

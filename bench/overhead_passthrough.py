@@ -4,10 +4,6 @@ No keys, no routing, no ledger: the body goes upstream over one keep-alive sessi
 answer comes back as it arrives (streams chunk by chunk). What kvledger costs above this is
 what its own work costs.
 
-``/collect/v2/models/{model}/generate`` is the same floor asking the replica as kvledger asks
-it (issue 12, item 2): the body goes to ``generate_stream`` with ``"stream": true`` and the
-events are collected into one answer (their texts joined, the last event's other outputs).
-
     python -m bench.overhead_passthrough --port 9000 --upstream http://127.0.0.1:8000
 """
 
@@ -17,7 +13,6 @@ import argparse
 from collections.abc import AsyncIterator
 
 import aiohttp
-import orjson
 import uvloop
 from aiohttp import web
 
@@ -45,19 +40,6 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return response
 
 
-async def collect(request: web.Request) -> web.Response:
-    url = f"{request.app[UPSTREAM]}/v2/models/{request.match_info['model']}/generate_stream"
-    body = orjson.loads(await request.read()) | {"stream": True}
-    headers = {"Content-Type": "application/json"}
-    async with request.app[SESSION].post(url, data=orjson.dumps(body), headers=headers) as upstream:
-        raw = await upstream.read()
-        if upstream.status != 200:
-            return web.Response(body=raw, status=upstream.status)
-    events = [orjson.loads(e[5:]) for e in raw.split(b"\n\n") if e.startswith(b"data:")]
-    answer = events[-1] | {"text_output": "".join(e.get("text_output", "") for e in events)}
-    return web.Response(body=orjson.dumps(answer), content_type="application/json")
-
-
 def make_app(upstream: str) -> web.Application:
     app = web.Application()
     app[UPSTREAM] = upstream.rstrip("/")
@@ -70,7 +52,6 @@ def make_app(upstream: str) -> web.Application:
     app.cleanup_ctx.append(session)
     app.router.add_post("/v2/models/{model}/generate", forward)
     app.router.add_post("/v2/models/{model}/generate_stream", forward)
-    app.router.add_post("/collect/v2/models/{model}/generate", collect)
     return app
 
 

@@ -59,16 +59,12 @@ def round_table(cells: dict[str, Cell], names: list[str]) -> list[str]:
     return lines
 
 
-def summary_table(results: Results, directs: Sequence[str], floors: Sequence[str]) -> list[str]:
-    """Added latency and throughput against the direct call (``directs[0]``), and each
-    floor's ratios (not for the floors themselves, nor for the other direct calls)."""
-    direct = directs[0]
+def summary_table(results: Results, direct: str, floor: str) -> list[str]:
+    """Added latency and throughput against the direct call, and the ratios to the floor."""
     lines = [
         "| target | added p50, c=1 | added first chunk | CPU per request (c=32) "
-        "| throughput vs direct (c=32) | "
-        + " | ".join(f"vs {f}: CPU, added p50, throughput, first chunk" for f in floors)
-        + " |",
-        "|---|---|---|---|---|" + "---|" * len(floors),
+        f"| throughput vs direct (c=32) | vs {floor}: CPU, added p50, throughput, first chunk |",
+        "|---|---|---|---|---|---|",
     ]
     for name in results.names:
         if name == direct:
@@ -79,23 +75,20 @@ def summary_table(results: Results, directs: Sequence[str], floors: Sequence[str
         ttfc = [c.stream.p(0.5) - b.stream.p(0.5) for c, b in zip(rounds, bases, strict=True)]
         tput = [c.c32.rps / b.c32.rps for c, b in zip(rounds, bases, strict=True)]
         cpu = [c.c32.cpu_per_request_us for c in rounds]
-        versus = []
-        for floor in floors:
-            if name in floors or name in directs:
-                versus.append("n/a")
-                continue
+        versus = "n/a"
+        if name != floor:
             pairs = list(zip(rounds, [r[floor] for r in results.rounds], strict=True))
             cpu_x = [c.c32.cpu_per_request_us / f.c32.cpu_per_request_us for c, f in pairs]
             p50_d = [c.c1.p(0.5) - f.c1.p(0.5) for c, f in pairs]
             tput_x = [c.c32.rps / f.c32.rps for c, f in pairs]
             ttfc_d = [c.stream.p(0.5) - f.stream.p(0.5) for c, f in pairs]
-            versus.append(
+            versus = (
                 f"{_span(cpu_x, '.2f')}×, {_span(p50_d, '+.2f')} ms, "
                 f"{_span(tput_x, '.2f')}×, {_span(ttfc_d, '+.2f')} ms"
             )
         lines.append(
             f"| {name} | {_span(added, '+.2f')} ms | {_span(ttfc, '+.2f')} ms "
-            f"| {_span(cpu, ',.0f')} µs | {_span(tput, '.2f')} | " + " | ".join(versus) + " |"
+            f"| {_span(cpu, ',.0f')} µs | {_span(tput, '.2f')} | {versus} |"
         )
     return lines
 
@@ -163,45 +156,14 @@ def failure_lines(results: Results) -> list[str]:
     return lines or ["- none: every response was checked and passed"]
 
 
-def transport_lines(results: Results, directs: Sequence[str]) -> list[str]:
-    """What asking the replica for its tokens (issue 12 item 2) costs the replica itself."""
-    direct, tokens = directs
-    pairs = [(r[tokens], r[direct]) for r in results.rounds]
-    added = [t.c1.p(0.5) - d.c1.p(0.5) for t, d in pairs]
-    tput = [t.c32.rps / d.c32.rps for t, d in pairs]
-    return [
-        f"With no proxy at all, Triton asked for its tokens as issue 12 item 2 requires "
-        f"(`generate_stream`, read to the end) against one answer (`generate`): added p50 "
-        f"{_span(added, '+.2f')} ms, throughput {_span(tput, '.2f')}× at c=32 (its streamed "
-        "responses cost the replica CPU on the cores it shares here). No proxy asking the "
-        "replica so can add less than that to a floor that asks it for one answer.",
-    ]
-
-
-def render(
-    results: Results, directs: Sequence[str], floors: Sequence[str], header: list[str]
-) -> str:
-    """``directs``: the direct call, then the replica asked for its tokens with no proxy;
-    ``floors``: the issue's floor first, then the same floor asked as kvledger asks."""
+def render(results: Results, direct: str, floor: str, header: list[str]) -> str:
+    """``direct``: the direct call's target; ``floor``: the bare pass-through's."""
     out = [*header, "", "## Summary over rounds (ranges: lowest to highest round)", ""]
-    out += summary_table(results, directs, floors)
+    out += summary_table(results, direct, floor)
     kvledger = [name for name in results.names if name in results.executed]
-    for index, floor in enumerate(floors):
-        if not kvledger:
-            break
+    if kvledger:
         out += ["", f"## Against issue 12's targets, floor: {floor} (rounds that met each)", ""]
-        if index:
-            out += [
-                "The same pass-through asking the replica as kvledger asks it (tokens "
-                "streamed, so that a client gone stops the generation, issue 12 item 2; "
-                "collected into one answer): what kvledger's own work (keys, routing, the "
-                "ledger, the record) costs above the floor, without the replica's extra "
-                "responses. Supplementary: issue 12's targets are the table above.",
-                "",
-            ]
         out += target_lines(results, floor, kvledger)
-        if index == 0 and len(directs) > 1:
-            out += ["", *transport_lines(results, directs)]
     out += ["", "## Redis, per kvledger request", ""]
     out += redis_lines(results) or ["- no kvledger target ran"]
     out += ["", "## Failures (not counted as latency)", ""]

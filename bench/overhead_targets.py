@@ -45,10 +45,6 @@ class Target:
     pids: list[int] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
     kvledger: bool = False
-    direct: bool = False
-    # The pass-through asking the replica as kvledger does: tokens streamed (generate_stream,
-    # "stream": true) also for a request whose client wants one answer, collected into it.
-    tokens: bool = False
 
     @property
     def openai(self) -> bool:
