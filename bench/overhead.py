@@ -5,7 +5,7 @@ proxies are timed), a private Redis, ``kvledger serve`` with the ledger on (one 
 replica transport asked for), a bare aiohttp + uvloop pass-through (the floor of our stack) and
 nginx with a keep-alive upstream when it is installed. Then interleaved rounds, the order of
 targets reversed every other round, of: latency at concurrency 1, throughput at concurrency 32,
-and time to the first streamed event.
+and time to the first streamed event, each run on every target back to back.
 CPU per request comes from /proc (utime + stime of the target's processes over the measured
 window), Redis commands per request from ``INFO commandstats`` over the kvledger windows and a
 short ``MONITOR`` sample (sent vs inside Lua).
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.overhead_client import run_phase
+from bench.overhead_client import Phase, run_phase
 from bench.overhead_redis import MonitorSample, command_calls
 from bench.overhead_report import Cell, Results, render
 from bench.overhead_targets import (
@@ -62,11 +62,8 @@ async def measure(targets: list[Target], args: argparse.Namespace, redis_url: st
                 )
         for index in range(args.rounds):
             order = targets if index % 2 == 0 else targets[::-1]
-            cells: dict[str, Cell] = {}
-            for target in order:
-                cells[target.name] = await _round(session, target, args, redis_url, results)
-                print(f"round {index + 1}: {target.name} done", file=sys.stderr, flush=True)
-            results.rounds.append(cells)
+            results.rounds.append(await _round(session, order, args, redis_url, results))
+            print(f"round {index + 1} done", file=sys.stderr, flush=True)
         for target in targets:
             if target.kvledger:
                 await _sample_redis(session, target, args, redis_url, results)
@@ -75,30 +72,39 @@ async def measure(targets: list[Target], args: argparse.Namespace, redis_url: st
 
 async def _round(
     session: aiohttp.ClientSession,
-    target: Target,
+    order: list[Target],
     args: argparse.Namespace,
     redis_url: str,
     results: Results,
-) -> Cell:
-    before = command_calls(redis_url) if target.kvledger else Counter[str]()
-    tokens = args.max_tokens
+) -> dict[str, Cell]:
+    """One round: each kind of phase run on every target back to back (so that the machine's
+    drift, which moves every target's figures by a fifth within a minute here, falls between
+    kinds of phase rather than between the targets compared)."""
     per = args.rounds
-    c1 = await run_phase(
-        session, target, n=args.c1 // per, concurrency=1, stream=False, max_tokens=tokens
+    kinds = (
+        (args.c1 // per, 1, False),
+        (args.c32 // per, 32, False),
+        (args.stream // per, 1, True),
     )
-    c32 = await run_phase(
-        session, target, n=args.c32 // per, concurrency=32, stream=False, max_tokens=tokens
-    )
-    stream = await run_phase(
-        session, target, n=args.stream // per, concurrency=1, stream=True, max_tokens=tokens
-    )
-    if target.kvledger:
-        delta = command_calls(redis_url)
-        delta.subtract(before)
-        results.executed.setdefault(target.name, Counter()).update(+delta)
-        attempted = (args.c1 // per) + (args.c32 // per) + (args.stream // per)
-        results.served[target.name] += attempted
-    return Cell(c1, c32, stream)
+    phases: dict[str, list[Phase]] = {target.name: [] for target in order}
+    for n, concurrency, stream in kinds:
+        for target in order:
+            before = command_calls(redis_url) if target.kvledger else Counter[str]()
+            phase = await run_phase(
+                session,
+                target,
+                n=n,
+                concurrency=concurrency,
+                stream=stream,
+                max_tokens=args.max_tokens,
+            )
+            phases[target.name].append(phase)
+            if target.kvledger:
+                delta = command_calls(redis_url)
+                delta.subtract(before)
+                results.executed.setdefault(target.name, Counter()).update(+delta)
+                results.served[target.name] += n
+    return {name: Cell(*kinds_done) for name, kinds_done in phases.items()}
 
 
 async def _sample_redis(
@@ -131,7 +137,8 @@ def _header(args: argparse.Namespace, results: Results) -> list[str]:
         "",
         f"A trivial Triton model (`bench/overhead_model.py`: the ensemble's interface, "
         f"decoupled, answers at once with {args.max_tokens} tokens). One aiohttp client. "
-        f"{args.rounds} interleaved rounds, the order of targets reversed every other round; "
+        f"{args.rounds} interleaved rounds, the order of targets reversed every other round, "
+        f"each kind of phase run on every target back to back; "
         f"per target in total: {args.c1} requests at concurrency 1 (latency), {args.c32} at "
         f"concurrency 32 (throughput, CPU per request), {args.stream} streamed at concurrency "
         f"1 (time to the first event). kvledger runs with the ledger on (Redis, records "
