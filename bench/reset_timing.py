@@ -43,14 +43,18 @@ def verified(proxy: ProxyProcess, replica: str) -> float:
 
 
 def raw(replica: Replica) -> float:
-    """Unload, wait until the index no longer says READY or UNLOADING, load (blocks)."""
+    """Unload, wait until the index says no model READY or UNLOADING, load (blocks).
+
+    Every model, not only the ensemble: the ensemble is UNAVAILABLE at once, the models it is
+    composed of (the engine among them) a second or so later, and a load issued while the
+    engine is still UNLOADING may keep it, cache and all (``backends.triton_control``)."""
     client = httpclient.InferenceServerClient(replica.http_url.removeprefix("http://"))
     began = time.perf_counter()
     try:
         client.unload_model(MODEL_NAME, unload_dependents=True)
         while True:
-            states = {m["name"]: m.get("state") for m in client.get_model_repository_index()}
-            if states.get(MODEL_NAME) not in ("READY", "UNLOADING"):
+            states = [m.get("state") for m in client.get_model_repository_index()]
+            if all(state not in ("READY", "UNLOADING") for state in states):
                 break
             time.sleep(0.05)
         client.load_model(MODEL_NAME)
