@@ -10,8 +10,10 @@ in a FIFO. A caller that gives up (its deadline) leaves its future cancelled in 
 reply, when it comes, is read and dropped, so the connection stays in step. A lost connection
 fails every waiting command with ConnectionError (an OSError, which the ledger counts as Redis
 being away) and the next call connects again. A command's deadline is a timer on its future
-(TimeoutError), not a cancellation of its caller. The commands sent during one turn of the
-event loop leave in one write, after it (under load many requests end in the same turn).
+(TimeoutError), not a cancellation of its caller. A command sent on an idle connection (no
+reply awaited) is written at once: the request it belongs to waits on nothing else, and a turn of
+the event loop would add its time to the round trip. Under load (replies awaited), the commands
+sent during one turn of the loop leave in one write, after it (many requests end in one turn).
 Replies are parsed by hiredis' reader (the one redis-py uses): bulk strings as bytes, integers
 as int, arrays as lists, an error reply raised as :class:`redis.exceptions.ResponseError`.
 ``NOSCRIPT`` (Redis restarted, its script cache empty) runs the script by ``EVAL``, which
@@ -102,10 +104,14 @@ class _Protocol(asyncio.Protocol):
 
     def send(self, command: bytes, timeout_s: float | None = None) -> asyncio.Future[Any]:
         future = self._loop.create_future()
+        idle = not self.waiting  # nothing on its way: no later command of this turn to wait for
         self.waiting.append(future)
-        if not self._out:
-            self._loop.call_soon(self._flush)
-        self._out.append(command)
+        if idle and self.transport is not None and self.lost is None:
+            self.transport.write(command)
+        else:
+            if not self._out:
+                self._loop.call_soon(self._flush)
+            self._out.append(command)
         if timeout_s is not None:
             when = self._loop.time() + timeout_s
             heapq.heappush(self._deadlines, (when, next(self._sent), future, timeout_s))
