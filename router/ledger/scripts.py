@@ -118,13 +118,13 @@ if cur[1] ~= ARGV[1] then
   return finish('stale', cur[1], nil, nil, nil, false, false)
 end
 local known = cur[4] ~= '0'
-local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1) - 1
+local seq = tonumber(cur[2] or '0')  -- this request's; the head moves on by one, in one HSET
 local after, status = redis.sha1hex(cur[3] .. '|' .. ARGV[2]), 'ok'
 if lost then
   after, status = unknown_state('s' .. seq), 'unordered'
-  redis.call('HSET', KEYS[1], 'state', after, 'known', '0')
+  redis.call('HSET', KEYS[1], 'seq', seq + 1, 'state', after, 'known', '0')
 else
-  redis.call('HSET', KEYS[1], 'state', after)
+  redis.call('HSET', KEYS[1], 'seq', seq + 1, 'state', after)
 end
 return finish(status, cur[1], seq, cur[3], after, known, ARGV[6] == '1' and not lost)
 """
