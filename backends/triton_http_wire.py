@@ -106,6 +106,8 @@ class Response:
 
     async def read_all(self) -> bytes:
         """The whole (rest of the) body."""
+        if not self.chunked:  # one read gives all of a sized body
+            return await self.read() or b""
         parts = []
         while (data := await self.read()) is not None:
             parts.append(data)

@@ -7,6 +7,7 @@ differ in what happens when the flight ends (their ``Settler``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class Flight:
     pieces: list[str] = field(default_factory=list)
     stats: EngineStats | None = None
     context: Any = None  # the eval dispatcher's turn
+    record_parts: RecordInput | None = None  # made at take-off (see record_input)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         chunk: Chunk | None = self.first
@@ -96,9 +98,11 @@ class Flight:
 
     def record_input(self) -> RecordInput:
         """The parts of this flight a lineage record is made of."""
-        return Flight.parts(
-            self.parsed, self.principal, self.replica, self.decision, self.admission
-        )
+        if self.record_parts is None:
+            self.record_parts = Flight.parts(
+                self.parsed, self.principal, self.replica, self.decision, self.admission
+            )
+        return self.record_parts
 
     @staticmethod
     def parts(
@@ -153,9 +157,15 @@ async def take_off(
 
     Whatever the first chunk raises, the replica's count is undone, the stream closed and the
     exception propagates unchanged: the caller decides what it means (fail over, 503, 400).
+
+    The record's request part (its digests) is drafted once the request is on its way: the
+    draft is a callback of the next turn of the loop, which runs when this task waits for the
+    replica, so its hashing overlaps the replica's work instead of following its answer.
     """
     started = time.perf_counter()
     replica.in_flight += 1
+    parts = Flight.parts(parsed, principal, replica, decision, admission)
+    asyncio.get_running_loop().call_soon(parts.draft)
     stream = replica.watch(replica.backend.stream(parsed.request))  # the no-progress deadline
     try:
         first = await anext(stream)
@@ -176,4 +186,5 @@ async def take_off(
         started,
         now,
         failure,
+        record_parts=parts,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 from datetime import UTC, datetime
 from pathlib import Path
@@ -10,13 +11,32 @@ from pathlib import Path
 import orjson
 import redis.asyncio as aioredis
 
-from router.ledger.chain import fold, genesis, step, text_digest
+from router.ledger.chain import RequestDigest, fold, genesis, request_digest, step, text_digest
 from router.ledger.core import Fence
 from router.ledger.records import stamp, template, with_chain
 from tests.ledger_helpers import ENGINE, client, fresh_chain, lineage, make_ledger, record
 from tests.servers import RedisServer
 
 __all__ = ["client"]  # the fixture, used by name
+
+
+def test_a_request_digest_hashed_in_two_halves_is_the_digest_of_the_whole() -> None:
+    """The request's half is hashed while the replica works, the output's when it is known:
+    the digest must still be SHA-256 of the canonical JSON of [model, prompt, params, output],
+    or records written before and after that split would not chain alike."""
+    params = {"top_k": 1, "max_tokens": 8, "stop": ["\n", "é"], "seed": None, "temperature": 0.5}
+    for output in ["", "ok", 'a "quoted", [bracketed] answer', "über\u2028\ttabs", "]"]:
+        whole = orjson.dumps(
+            ["ensemble", 'say "hi"', params, output],
+            option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS,
+        )
+        expected = hashlib.sha256(whole).hexdigest()
+        assert request_digest("ensemble", 'say "hi"', params, output) == expected
+        split = RequestDigest("ensemble", 'say "hi"', params)
+        assert split.of(output) == expected
+        assert split.of(output) == expected  # the request's half is not used up by the first
+    moved = request_digest("ensemble", "pa", params, "")
+    assert request_digest("ensemble", "p", params, "a") != moved
 
 
 async def test_python_step_equals_lua_step(client: aioredis.Redis, tmp_path: Path) -> None:

@@ -46,7 +46,25 @@ def _canonical(value: Any) -> bytes:
 
 def request_digest(model: str, prompt: str, params: Mapping[str, Any], output: str) -> str:
     """What one request put into the cache: model, prompt text, sampling parameters, output."""
-    return hashlib.sha256(_canonical([model, prompt, dict(params), output])).hexdigest()
+    return RequestDigest(model, prompt, params).of(output)
+
+
+class RequestDigest:
+    """:func:`request_digest` in two halves: the request's part hashed when it is admitted
+    (while the replica works), the output's when it is known. The hash is of the same bytes,
+    ``[model, prompt, params, output]`` as canonical JSON: a list's JSON is its items' JSON
+    between brackets, joined by commas."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, model: str, prompt: str, params: Mapping[str, Any]) -> None:
+        head = _canonical([model, prompt, dict(params)])
+        self._head = hashlib.sha256(head[:-1] + b",")  # without its closing bracket
+
+    def of(self, output: str) -> str:
+        digest = self._head.copy()
+        digest.update(orjson.dumps(output) + b"]")
+        return digest.hexdigest()
 
 
 def text_digest(text: str) -> str:

@@ -15,10 +15,11 @@ from typing import Any
 import orjson
 
 from backends.base import EngineStats, GenerationRequest
-from router.ledger.chain import Advance, params_digest, request_digest, text_digest
+from router.ledger.chain import Advance, RequestDigest, params_digest, text_digest
 from router.ledger.keys import Profile
 
 _second: list[Any] = [None, ""]  # the last whole second stamped, and its text
+_MILLIS = [f".{m:03d}+00:00" for m in range(1000)]  # a stamp's tail, formatted once
 
 
 def stamp(now: float | None = None) -> str:
@@ -34,7 +35,8 @@ def stamp(now: float | None = None) -> str:
     if second != _second[0]:
         text = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
         _second[:] = second, text
-    return f"{_second[1]}.{micros // 1000:03d}+00:00"
+    head: str = _second[1]
+    return head + _MILLIS[micros // 1000]
 
 
 @dataclass(slots=True)
@@ -114,6 +116,16 @@ def _ttft_ms(stats: EngineStats | None, outcome: Outcome) -> float:
 
 
 @dataclass(slots=True)
+class Draft:
+    """What a record takes from its request alone: hashed once the replica has the request,
+    while it works, not after its answer (see :meth:`RecordInput.draft`)."""
+
+    digest: RequestDigest
+    prompt_digest: str
+    params_digest: str
+
+
+@dataclass(slots=True)
 class RecordInput:
     """What a record is made of besides its outcome."""
 
@@ -125,6 +137,21 @@ class RecordInput:
     reason: str
     tokens_per_block: int
     admission: Admission
+    drafted: Draft | None = None
+
+    def draft(self) -> Draft:
+        """The request's part of the record, computed on the first call. A flight calls it
+        when its request is on its way to the replica (``router.flight.take_off``), so that
+        the hashing is done before the answer comes; a record made otherwise computes it
+        when it is made."""
+        drafted = self.drafted
+        if drafted is None:
+            request = self.request
+            sampling = request.sampling()
+            digest = RequestDigest(self.model, request.prompt, sampling)
+            drafted = Draft(digest, text_digest(request.prompt), params_digest(sampling))
+            self.drafted = drafted
+        return drafted
 
 
 def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
@@ -132,7 +159,7 @@ def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
     adds when the chain steps (or sets to None while the step waits for Redis)."""
     request, principal, admission = parts.request, parts.principal, parts.admission
     stats = outcome.stats or _NO_STATS
-    sampling = request.sampling()
+    draft = parts.draft()
     evaluating = admission.run is not None
     return {
         "request_id": request.request_id,
@@ -149,9 +176,9 @@ def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
         "verified": None,
         "warning": admission.warning,
         "pending": False,
-        "digest": request_digest(parts.model, request.prompt, sampling, outcome.output),
-        "prompt_digest": text_digest(request.prompt),
-        "params_digest": params_digest(sampling),
+        "digest": draft.digest.of(outcome.output),
+        "prompt_digest": draft.prompt_digest,
+        "params_digest": draft.params_digest,
         "output_digest": text_digest(outcome.output),
         "reused_blocks": stats.reused_blocks,
         "total_blocks": stats.total_blocks,
