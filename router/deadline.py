@@ -30,7 +30,7 @@ class Deadline:
     def __init__(self, timeout_s: float, credit: Credit | None = None) -> None:
         self.timeout_s = timeout_s
         self.credit = credit  # None: only the waits' own ends count as progress
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()  # (a system call each time in 3.11: getpid)
         self._since: float | None = None  # when the current wait began; None between waits
         self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
@@ -40,13 +40,13 @@ class Deadline:
     def waiting(self) -> None:
         """A wait for the next chunk begins in the current task (the one that began the first
         wait: a stream is read by one task)."""
-        self._since = self._loop.time()
+        self._since = self.loop.time()
         if self._task is None:
-            self._task = asyncio.current_task(self._loop)  # the loop given: no getpid()
+            self._task = asyncio.current_task(self.loop)  # the loop given: no getpid()
         if self._task is not None:
             self._cancelling = self._task.cancelling()
         if self._handle is None:
-            self._handle = self._loop.call_at(self._since + self.timeout_s, self._fire)
+            self._handle = self.loop.call_at(self._since + self.timeout_s, self._fire)
 
     def done(self) -> None:
         """The wait ended (a chunk, the end, an error)."""
@@ -73,8 +73,8 @@ class Deadline:
         if credit is not None and credit.progressed_at + self.timeout_s > due:
             due = credit.progressed_at + self.timeout_s
         # The loop may run a timer up to its clock resolution early: a millisecond is close enough.
-        if self._loop.time() >= due - 1e-3 and self._task is not None:
+        if self.loop.time() >= due - 1e-3 and self._task is not None:
             self._fired = True
             self._task.cancel()
         else:
-            self._handle = self._loop.call_at(due, self._fire)
+            self._handle = self.loop.call_at(due, self._fire)

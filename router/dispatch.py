@@ -120,7 +120,7 @@ class Dispatcher:
         record = make_record(flight.record_input(), outcome)
         # Counted while the chain step is on its way to Redis (a callback runs when this task
         # waits for it): what is counted does not depend on the step's answer.
-        asyncio.get_running_loop().call_soon(account, self.metrics, flight.replica, record, outcome)
+        flight.stream.loop.call_soon(account, self.metrics, flight.replica, record, outcome)
         return await self.ledger.commit(record)
 
 

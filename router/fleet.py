@@ -20,6 +20,7 @@ probation: one more timeout and it is stalled again, one chunk and it is trusted
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping
@@ -145,6 +146,11 @@ class Watched:
 
     def __aiter__(self) -> Watched:
         return self
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the stream runs on (asking asyncio costs a system call)."""
+        return self._deadline.loop
 
     async def __anext__(self) -> Chunk:
         deadline = self._deadline

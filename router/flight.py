@@ -7,7 +7,6 @@ differ in what happens when the flight ends (their ``Settler``).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -165,8 +164,8 @@ async def take_off(
     started = time.perf_counter()
     replica.in_flight += 1
     parts = Flight.parts(parsed, principal, replica, decision, admission)
-    asyncio.get_running_loop().call_soon(parts.draft)
     stream = replica.watch(replica.backend.stream(parsed.request))  # the no-progress deadline
+    stream.loop.call_soon(parts.draft)
     try:
         first = await anext(stream)
     except BaseException:
