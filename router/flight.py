@@ -55,12 +55,12 @@ class Flight:
     first: Chunk
     started: float
     first_chunk_at: float
+    record_parts: RecordInput  # made at take-off, its draft computed while the replica works
     failure: Callable[[str], KvlError] = UpstreamFailed  # how a mid-stream failure answers
     finished: bool = False
     pieces: list[str] = field(default_factory=list)
     stats: EngineStats | None = None
     context: Any = None  # the eval dispatcher's turn
-    record_parts: RecordInput | None = None  # made at take-off (see record_input)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         chunk: Chunk | None = self.first
@@ -97,10 +97,6 @@ class Flight:
 
     def record_input(self) -> RecordInput:
         """The parts of this flight a lineage record is made of."""
-        if self.record_parts is None:
-            self.record_parts = Flight.parts(
-                self.parsed, self.principal, self.replica, self.decision, self.admission
-            )
         return self.record_parts
 
     @staticmethod
@@ -184,6 +180,6 @@ async def take_off(
         first,
         started,
         now,
+        parts,
         failure,
-        record_parts=parts,
     )
