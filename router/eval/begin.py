@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
@@ -25,17 +25,33 @@ from router.eval.heartbeat import heartbeat
 from router.eval.leasing import Lease, lease
 from router.eval.profiles import REPLAY, now_iso
 from router.eval.replay import replay
-from router.eval.reset import ResetFailed, wait_idle
-from router.fleet import ReplicaState
-from router.ledger import LedgerError
+from router.eval.reset import ResetFailed, Resetter, wait_idle
+from router.fleet import Fleet, ReplicaState
+from router.ledger import Ledger, LedgerError
 from router.ledger.keys import Profile
-
-if TYPE_CHECKING:
-    from router.eval.runs import Runs
+from router.ledger.runs import RunStore
+from router.ledger.turns import Turns
+from router.settings import EvalSettings
 
 Meta = dict[str, str]
 BEGIN_BUDGET_S = 600.0  # the arm's claim outlives a begin by this much at most
 _log = structlog.get_logger("kvledger.runs")
+
+
+class Runs(Protocol):
+    """What beginning a run needs of the proxy's runs (``router.eval.runs.Runs``), declared here
+    so that this module does not import the one that calls it."""
+
+    fleet: Fleet
+    ledger: Ledger
+    store: RunStore
+    turns: Turns
+    settings: EvalSettings
+    resets: Resetter
+    settle_s: float
+    owner: str
+    owner_ttl_ms: int
+    heartbeat_s: float
 
 
 async def begin(runs: Runs, profile: Profile, model: str, trigger: str) -> Meta:
