@@ -217,13 +217,13 @@ def test_refusals_name_the_field(stack: tuple[Proxy, LedgerView]) -> None:
                     {"role": "assistant", "content": None},
                 ]
             },
-            "messages[1].content",
-            "must be a string",
+            "messages",
+            "'messages[1].content' must be a string",
         ),
         (
             {"messages": [{"role": "tool", "content": "42"}]},
-            "messages[0].tool_call_id",
-            "tool_call_id",
+            "messages",
+            "'messages[0].tool_call_id' is required",
         ),
     ]
     for body, param, words in cases:

@@ -5,6 +5,9 @@ or text parts), ``assistant`` (``content`` null with ``tool_calls``), ``tool`` (
 ``tool_call_id``). They are rendered once, with the model's own chat template when it has one
 (router.chat.templates), else with the format-string fallback of ``[chat_templates.MODEL]``.
 
+A message that cannot be rendered is a 400 whose ``param`` is ``messages`` and whose message
+names the message and its field (``'messages[2].tool_call_id' is required ...``).
+
 Every field of the body is either honoured or refused with a 400 naming it: ``CHAT_FIELDS``
 lists the accepted ones; a field accepted only at its default value (``n``, ``logprobs``,
 ``parallel_tool_calls``, the penalties, ...) is refused at any other value, since nothing
@@ -114,33 +117,35 @@ def _text(content: Any, where: str, nullable: bool) -> str | None:
                 raise BadRequest(
                     f"'{where}[{j}]' must be a text part ({{'type': 'text', 'text': ...}});"
                     " the replicas take text only",
-                    param=f"{where}[{j}]",
+                    param="messages",
                 )
             text = part.get("text")
             if not isinstance(text, str) or set(part) - {"type", "text"}:
-                raise BadRequest(f"'{where}[{j}].text' must be a string", param=f"{where}[{j}]")
+                raise BadRequest(f"'{where}[{j}].text' must be a string", param="messages")
             texts.append(text)
         return "".join(texts)
     allowed = "a string, an array of text parts" + (" or null" if nullable else "")
-    raise BadRequest(f"'{where}' must be {allowed}", param=where)
+    raise BadRequest(f"'{where}' must be {allowed}", param="messages")
 
 
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
-        raise BadRequest(f"'{where}' must be a non-empty array", param=where)
+        raise BadRequest(f"'{where}' must be a non-empty array", param="messages")
     calls = []
     for j, call in enumerate(value):
         at = f"{where}[{j}]"
         if not isinstance(call, dict) or set(call) - {"id", "type", "function"}:
-            raise BadRequest(f"'{at}' must be an object with id, type and function", param=at)
+            raise BadRequest(
+                f"'{at}' must be an object with id, type and function", param="messages"
+            )
         function = call.get("function")
         if call.get("type", "function") != "function" or not isinstance(function, dict):
-            raise BadRequest(f"'{at}' must be a function call", param=at)
+            raise BadRequest(f"'{at}' must be a function call", param="messages")
         name, arguments = function.get("name"), function.get("arguments")
         if not isinstance(name, str) or not name:
-            raise BadRequest(f"'{at}.function.name' must be a string", param=f"{at}.function.name")
+            raise BadRequest(f"'{at}.function.name' must be a string", param="messages")
         if not isinstance(call.get("id"), str):
-            raise BadRequest(f"'{at}.id' must be a string", param=f"{at}.id")
+            raise BadRequest(f"'{at}.id' must be a string", param="messages")
         try:
             parsed = orjson.loads(arguments) if isinstance(arguments, str) else None
         except orjson.JSONDecodeError:
@@ -148,7 +153,7 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(parsed, dict):
             raise BadRequest(
                 f"'{at}.function.arguments' must be a JSON object in a string",
-                param=f"{at}.function.arguments",
+                param="messages",
             )
         # Templates read the arguments as a mapping (they `tojson` them), as vLLM and
         # transformers hand them over.
@@ -162,16 +167,14 @@ def _message(message: Any, i: int) -> dict[str, Any]:
     """One message, checked, in the shape templates read; every check before any use."""
     where = f"messages[{i}]"
     if not isinstance(message, dict):
-        raise BadRequest(f"'{where}' must be an object with 'role' and 'content'", param=where)
+        raise BadRequest(f"'{where}' must be an object with 'role' and 'content'", param="messages")
     role = message.get("role")
     if not isinstance(role, str) or role not in _MESSAGE_FIELDS:
-        raise BadRequest(
-            f"'{where}.role' must be one of {list(_MESSAGE_FIELDS)}", param=f"{where}.role"
-        )
+        raise BadRequest(f"'{where}.role' must be one of {list(_MESSAGE_FIELDS)}", param="messages")
     for name in message:
         if name not in _MESSAGE_FIELDS[role]:
             raise BadRequest(
-                f"'{where}.{name}' is not supported in a {role} message", param=f"{where}.{name}"
+                f"'{where}.{name}' is not supported in a {role} message", param="messages"
             )
     out: dict[str, Any] = {"role": role}
     has_calls = message.get("tool_calls") is not None
@@ -179,7 +182,7 @@ def _message(message: Any, i: int) -> dict[str, Any]:
     out["content"] = content
     if "name" in message:
         if not isinstance(message["name"], str):
-            raise BadRequest(f"'{where}.name' must be a string", param=f"{where}.name")
+            raise BadRequest(f"'{where}.name' must be a string", param="messages")
         out["name"] = message["name"]
     if has_calls:
         out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
@@ -188,7 +191,7 @@ def _message(message: Any, i: int) -> dict[str, Any]:
         if not isinstance(call_id, str) or not call_id:
             raise BadRequest(
                 f"'{where}.tool_call_id' is required in a tool message and must be a string",
-                param=f"{where}.tool_call_id",
+                param="messages",
             )
         out["tool_call_id"] = call_id
     return out
@@ -211,13 +214,13 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         ):
             raise BadRequest(
                 f"'tools[{j}]' must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                param=f"tools[{j}]",
+                param="tools",
             )
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise BadRequest(
                 f"'tools[{j}].function.parameters' must be a JSON schema object",
-                param=f"tools[{j}].function.parameters",
+                param="tools",
             )
     return tools or None
 
@@ -269,7 +272,7 @@ def _include_usage(body: Mapping[str, Any]) -> bool:
     if not isinstance(include, bool):
         raise BadRequest(
             "'stream_options.include_usage' must be true or false",
-            param="stream_options.include_usage",
+            param="stream_options",
         )
     return include
 
@@ -308,8 +311,7 @@ def _fallback(
     rendered = []
     for i, m in enumerate(checked):
         if "tool_calls" in m:
-            where = f"messages[{i}].tool_calls"
-            raise BadRequest(f"'{where}': {why}", param=where)
+            raise BadRequest(f"'messages[{i}].tool_calls': {why}", param="messages")
         rendered.append(template.message.format(role=m["role"], content=m["content"]))
     return "".join(rendered) + template.generation_prompt
 

@@ -72,7 +72,9 @@ def _model(body: Mapping[str, Any]) -> str:
 
 
 def _flag(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
-    value = body.get(name, default)
+    value = body.get(name)
+    if value is None:  # absent or null: the default, as for every other field
+        return default
     if not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be true or false", param=name)
     return value
