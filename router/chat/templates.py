@@ -98,9 +98,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
 @functools.lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = _Sandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
