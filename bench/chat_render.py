@@ -91,7 +91,7 @@ def main() -> None:
     jinja = ModelChat(JinjaChat("stand-in", CHAT_TEMPLATE), ChatTemplate(), None)
     messages = agent(args.turns)
     flat = plain(messages)
-    cases = {
+    cases: dict[str, Callable[[], str]] = {
         "fallback": lambda: render_chat(flat, fallback),
         "template": lambda: render_chat(flat, jinja),
         "template + tools": lambda: render_chat(messages, jinja, TOOLS),
