@@ -164,6 +164,21 @@ def test_tools_change_the_prompt_digest(stack: tuple[Proxy, LedgerView]) -> None
     assert hidden["prompt_digest"] == plain["prompt_digest"]
 
 
+def test_the_sdks_own_messages_go_back_into_the_history(stack: tuple[Proxy, LedgerView]) -> None:
+    """The README's loop: the SDK's assistant message, dumped as it comes back, then a tool
+    result, is a valid next turn."""
+    proxy, _ = stack
+    sdk = client(proxy, proxy.create_key("readme-loop"))
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    for _ in range(2):
+        answer = sdk.chat.completions.create(
+            model="ensemble", messages=messages, tools=TOOLS, max_tokens=4
+        )
+        messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "And in Oslo?"})
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
+
+
 def test_streamed_chat_with_tools_ends_with_the_record(stack: tuple[Proxy, LedgerView]) -> None:
     """A streamed answer with tools: content deltas (the model wrote no tool call), a finish
     reason, and the record in the last chunk, through the SDK's stream reader."""
