@@ -83,6 +83,20 @@ def test_unknown_fields_are_refused_by_name() -> None:
         assert caught.value.param == field and "not supported" in caught.value.message
 
 
+def test_the_sdks_null_fields_count_as_absent() -> None:
+    """An assistant message dumped whole by the SDK (refusal, audio, function_call null;
+    tool_calls null or []) is the message without them."""
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    dumped = [
+        plain[0],
+        {**plain[1], "refusal": None, "audio": None, "function_call": None, "tool_calls": None},
+    ]
+    assert parse({**BASE, "messages": dumped}) == parse({**BASE, "messages": plain})
+    dumped[1]["tool_calls"] = []
+    assert parse({**BASE, "messages": dumped}) == parse({**BASE, "messages": plain})
+    assert parse({**BASE, "user": None}) == parse(BASE)
+
+
 def test_agent_messages_render_and_bad_ones_name_the_field() -> None:
     """The openai SDK's tool loop messages render; a tool-call message with arguments that
     are not JSON, or a tool message without tool_call_id, is a 400 saying which."""

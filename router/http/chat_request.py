@@ -45,12 +45,14 @@ DEFAULT_ONLY: dict[str, object] = {
     "frequency_penalty": 0,
     "presence_penalty": 0,
 }
+_NO_LOG_PROBS = (
+    "log probabilities are not served yet: the proxy does not pass TensorRT-LLM's"
+    " return_log_probs input nor read its output_log_probs (docs/chat.md)"
+)
 _WHY = {
     "n": "only n=1 is served (one choice per request)",
-    "logprobs": "log probabilities are not served: the replicas' ensemble declares no"
-    " return_log_probs input (docs/chat.md)",
-    "top_logprobs": "log probabilities are not served: the replicas' ensemble declares no"
-    " return_log_probs input (docs/chat.md)",
+    "logprobs": _NO_LOG_PROBS,
+    "top_logprobs": _NO_LOG_PROBS,
     "parallel_tool_calls": "parallel_tool_calls false cannot be enforced on the model's output",
     "frequency_penalty": "penalties are not passed to the engine",
     "presence_penalty": "penalties are not passed to the engine",
@@ -84,8 +86,8 @@ class ChatOptions:
 
 
 def _fields(body: Mapping[str, Any]) -> None:
-    for name in body:
-        if name not in CHAT_FIELDS:
+    for name, value in body.items():
+        if name not in CHAT_FIELDS and value is not None:  # null: nothing sent, nothing lost
             raise BadRequest(
                 f"'{name}' is not supported by this chat front (accepted fields:"
                 f" {', '.join(sorted(CHAT_FIELDS))})",
@@ -171,20 +173,21 @@ def _message(message: Any, i: int) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str) or role not in _MESSAGE_FIELDS:
         raise BadRequest(f"'{where}.role' must be one of {list(_MESSAGE_FIELDS)}", param="messages")
-    for name in message:
-        if name not in _MESSAGE_FIELDS[role]:
+    for name, value in message.items():
+        # null: as absent (the SDK's own message objects carry refusal: null and the like)
+        if name not in _MESSAGE_FIELDS[role] and value is not None:
             raise BadRequest(
                 f"'{where}.{name}' is not supported in a {role} message", param="messages"
             )
     out: dict[str, Any] = {"role": role}
-    has_calls = message.get("tool_calls") is not None
+    has_calls = bool(message.get("tool_calls"))  # null or [] : no calls
     content = _text(message.get("content"), f"{where}.content", role == "assistant" and has_calls)
     out["content"] = content
-    if "name" in message:
+    if message.get("name") is not None:
         if not isinstance(message["name"], str):
             raise BadRequest(f"'{where}.name' must be a string", param="messages")
         out["name"] = message["name"]
-    if has_calls:
+    if has_calls or message.get("tool_calls") not in (None, []):
         out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
     if role == "tool":
         call_id = message.get("tool_call_id")
@@ -333,13 +336,13 @@ def parse_chat(
     include_usage = _include_usage(body)
     # tool_choice "none": the model is not told of the tools, and its output is not parsed.
     shown = tools if choice == "auto" else None
-    prompt = render_chat(body.get("messages"), chat, shown, model)
     parser = chat.parser if shown else None
-    if shown and parser is None:
+    if shown and parser is None and chat.jinja is not None:
         raise BadRequest(
             f"'tools': model '{model}' has no tool_call_parser, so its tool calls could not be"
             " returned; set [models.NAME] tool_call_parser (docs/chat.md)",
             param="tools",
         )
+    prompt = render_chat(body.get("messages"), chat, shown, model)
     parsed = Parsed(model, _common(body, request_id, prompt, cap), episode=episode)
     return parsed, ChatOptions(parser, include_usage)
