@@ -144,6 +144,19 @@ def test_agent_tool_loop_on_a_reset_arm_is_verified_and_reruns_identically(
     assert f"<tool_response>\nresult {TURNS - 2}: {out_a[TURNS - 2]!r}\n</tool_response>" in last
     assert last.endswith("<|im_start|>assistant\n")
     assert all(p in q for p, q in zip(prompts[:1], prompts[1:], strict=False))
+    # A replay arm from that run: the stored rendered prompts (never re-rendered) replay to
+    # the run's final fingerprint, and the agent's next turn starts there.
+    snapshot = admin(proxy, "GET", f"/admin/snapshots/s-{run_a['id']}")[1]
+    assert snapshot["fingerprint"] == stored_a[-1]["state_after"]
+    replay = client(
+        proxy, proxy.create_key("agent-replay", mode="eval", cache=f"replay:s-{run_a['id']}")
+    )
+    run_c = begin(proxy, "agent-replay")
+    _, records_c = agent_loop(replay, turns=1)
+    end(proxy, run_c["id"])
+    assert records_c[0]["state_before"] == snapshot["fingerprint"]
+    replayed = ledger.tail(run=run_c["id"])
+    assert [r["policy"] for r in replayed] == ["replay"] * TURNS + ["eval"]
 
 
 def chat(proxy: Proxy, key: str, **body: Any) -> openai.types.chat.ChatCompletion:
