@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from backends.sim.tokenizer import CHAT_TEMPLATE
@@ -172,3 +174,46 @@ def test_a_streamed_tool_call_in_openai_deltas() -> None:
     ]
     assert deltas[-1].finish_reason == "tool_calls"
     assert raw.endswith(b"data: [DONE]\n\n")
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+_call = st.fixed_dictionaries(
+    {"id": st.text(max_size=3), "type": st.just("function")},
+    optional={
+        "function": st.fixed_dictionaries(
+            {"name": st.text(max_size=4), "arguments": _json | st.just('{"a": [1]}')}
+        )
+    },
+)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "bot"])},
+    optional={
+        "content": _json | st.text(max_size=8),
+        "tool_calls": st.lists(_call, max_size=2) | _json,
+        "tool_call_id": _json | st.text(max_size=3),
+        "name": _json,
+    },
+)
+_body = st.fixed_dictionaries(
+    {"model": st.just("ensemble"), "messages": st.lists(_message, min_size=1, max_size=4)},
+    optional={
+        name: _json | st.just(TOOLS) | st.sampled_from(["auto", "none", "required"])
+        for name in ("tools", "tool_choice", "response_format", "stream_options", "n", "logprobs")
+    },
+)
+
+
+@given(body=_body)
+def test_any_chat_body_parses_or_is_a_400(body: dict[str, Any]) -> None:
+    """Whatever a client sends, the chat front answers with a request or a 400, never a
+    crash (the template and the checks included)."""
+    try:
+        parse(body)
+    except BadRequest as error:
+        assert error.param

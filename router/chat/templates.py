@@ -152,7 +152,7 @@ class JinjaChat:
             )
         except _Raised as exc:
             raise RenderError(f"the model's chat template refused the messages: {exc}") from exc
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, RecursionError) as exc:
             raise RenderError(
                 f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
             ) from exc

@@ -236,9 +236,10 @@ def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) ->
     if choice in ("auto", "none"):
         return str(choice)
     if choice == "required" or isinstance(choice, dict):
+        what = "'required'" if choice == "required" else "a named function"
         raise BadRequest(
-            f"'tool_choice' = {orjson.dumps(choice).decode()}: forcing a tool call needs guided"
-            " decoding, which the replicas do not declare; use 'auto' or 'none'",
+            f"'tool_choice' {what}: forcing a tool call needs guided decoding, which the"
+            " replicas do not declare; use 'auto' or 'none'",
             param="tool_choice",
         )
     raise BadRequest(
