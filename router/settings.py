@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from policies import DEFAULT_POLICY, PolicyName
-from router.settings_check import SettingsError, check_table, check_template, routing_options
+from router.chat.parsers import PARSERS, ToolParser
+from router.chat.templates import JinjaChat
+from router.settings_check import (
+    SettingsError,
+    check_model_chat,
+    check_table,
+    check_template,
+    routing_options,
+)
 
 Transport = Literal["http", "grpc"]
 TRANSPORTS: tuple[Transport, ...] = ("http", "grpc")
@@ -80,6 +88,25 @@ class ChatTemplate:
 
 
 @dataclass(frozen=True)
+class ModelTable:
+    """``[models.NAME]``: where a model's chat template and tool-call format come from
+    (router.chat.templates says how the template is found)."""
+
+    tokenizer: str = ""  # the model's tokenizer directory (tokenizer_config.json)
+    chat_template: str = ""  # a .jinja file, or the name of one of the tokenizer's templates
+    tool_call_parser: str = ""  # one of router.chat.parsers.PARSERS; "" = none
+
+
+@dataclass(frozen=True)
+class ModelChat:
+    """How a model's chats are rendered and its tool calls parsed (resolved at start)."""
+
+    jinja: JinjaChat | None  # the model's own template; None: the format-string fallback
+    fallback: ChatTemplate
+    parser: ToolParser | None
+
+
+@dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20
     max_tokens: int = 4096
@@ -124,6 +151,7 @@ class Settings:
     monitor_interval_s: float = 2.0
     health_timeout_s: float = 3.0  # a replica's health check that takes longer fails
     chat_templates: Mapping[str, ChatTemplate] = field(default_factory=dict)
+    chat_models: Mapping[str, ModelChat] = field(default_factory=dict)  # [models.NAME]
     limits: Limits = field(default_factory=Limits)
     lineage: LineageSettings = field(default_factory=LineageSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
@@ -137,12 +165,32 @@ class Settings:
     def template(self, model: str) -> ChatTemplate:
         return self.chat_templates.get(model, ChatTemplate())
 
+    @functools.cached_property
+    def _chats(self) -> dict[str, ModelChat]:
+        chats = {m: ModelChat(None, self.template(m), None) for m in self.models}
+        chats.update(self.chat_models)
+        return chats
 
-_SECTIONS = ("server", "routing", "limits", "lineage", "eval", "chat_templates", "replicas")
+    def chat(self, model: str) -> ModelChat:
+        """How chats for ``model`` are rendered (its template, else the fallback)."""
+        found = self._chats.get(model)
+        return found if found is not None else ModelChat(None, self.template(model), None)
+
+
+_SECTIONS = (
+    "server",
+    "routing",
+    "limits",
+    "lineage",
+    "eval",
+    "chat_templates",
+    "models",
+    "replicas",
+)
 # Settings fields that are not keys of [server]: the other sections, and the admin token itself
 # (only the name of the variable holding it is configured).
 _NOT_SERVER = frozenset(
-    ("replicas", "admin_token", "policy", "policy_options", "chat_templates")
+    ("replicas", "admin_token", "policy", "policy_options", "chat_templates", "chat_models")
     + ("limits", "lineage", "eval")
 )
 
@@ -179,6 +227,24 @@ def _templates(raw: Mapping[str, Any], source: str) -> dict[str, ChatTemplate]:
         check_template(template.message, where + " message")
         templates[model] = template
     return templates
+
+
+def _chat_models(
+    raw: Mapping[str, Any], templates: Mapping[str, ChatTemplate], base: Path, source: str
+) -> dict[str, ModelChat]:
+    tables = raw.get("models", {})
+    if not isinstance(tables, dict):
+        raise SettingsError(f"{source}: [models]: expected [models.NAME] tables")
+    chats = {}
+    for model, table in tables.items():
+        where = f"{source}: [models.{model}]"
+        values = ModelTable(**check_table(table, ModelTable, where))
+        jinja = check_model_chat(
+            values.tokenizer, values.chat_template, values.tool_call_parser, base, where
+        )
+        parser = PARSERS.get(values.tool_call_parser)
+        chats[model] = ModelChat(jinja, templates.get(model, ChatTemplate()), parser)
+    return chats
 
 
 def _check_transport(replica: ReplicaSettings, where: str) -> None:
@@ -228,6 +294,7 @@ def build_settings(
     lineage = check_table(raw.get("lineage", {}), LineageSettings, f"{source}: [lineage]")
     spool = _spool(lineage, base, host, port, hostname or socket.gethostname())
     policy, options = routing_options(raw.get("routing", {}), f"{source}: [routing]")
+    templates = _templates(raw, source)
     return Settings(
         replicas=_replicas(raw, source),
         host=host,
@@ -237,7 +304,8 @@ def build_settings(
         admin_token_env=token_env,
         policy=cast(PolicyName, policy),  # checked against the policies' names
         policy_options=options,
-        chat_templates=_templates(raw, source),
+        chat_templates=templates,
+        chat_models=_chat_models(raw, templates, base, source),
         limits=Limits(**check_table(raw.get("limits", {}), Limits, f"{source}: [limits]")),
         lineage=LineageSettings(**{**lineage, "spool_path": spool}),
         eval=EvalSettings(**check_table(raw.get("eval", {}), EvalSettings, f"{source}: [eval]")),

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from policies import DEFAULT_POLICY, POLICIES, make_policy
+from router.chat.parsers import PARSERS
+from router.chat.templates import JinjaChat, TemplateLoadError, load_chat
 
 
 class SettingsError(ValueError):
@@ -101,6 +103,23 @@ def check_template(message: str, where: str) -> None:
             f"{where}: expected a template using only {{role}} and {{content}}"
             f" (double braces for a literal one), got {message!r}: {exc!r}"
         ) from exc
+
+
+def check_model_chat(
+    tokenizer: str, chat_template: str, parser: str, base: Path, where: str
+) -> JinjaChat | None:
+    """``[models.NAME]``: the parser is known, and the template (if any) is found and compiles.
+    Paths are relative to the config file's directory (``base``)."""
+    if parser and parser not in PARSERS:
+        raise SettingsError(
+            f"{where} tool_call_parser: expected one of {sorted(PARSERS)}, got {parser!r}"
+        )
+    directory = base / tokenizer if tokenizer else None
+    named = str(base / chat_template) if chat_template.endswith(".jinja") else chat_template
+    try:
+        return load_chat(directory, named)
+    except TemplateLoadError as exc:
+        raise SettingsError(f"{where}: {exc}") from exc
 
 
 def routing_options(table: Any, where: str) -> tuple[str, dict[str, Any]]:

@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 from backends.base import Chunk, ReplicaCounters
 from router.errors import BadRequest, GatewayTimeout, PromptTooLong
 from router.fleet import ReplicaState
+from router.http.chat_request import render_chat
 from router.http.context import new_request_id
-from router.http.parse import check_prompt_length, render_chat
+from router.http.parse import check_prompt_length
 from router.ledger.keys import KeyStore, Profile, key_hash
 from router.ledger.schema import KEYS_HASH
-from router.settings import ChatTemplate, ReplicaSettings
+from router.settings import ChatTemplate, ModelChat, ReplicaSettings
 from tests.servers import RedisServer
 
 _json = st.recursive(
@@ -37,7 +38,7 @@ _json = st.recursive(
 def test_any_json_as_chat_messages_is_text_or_a_400(messages: Any) -> None:
     """Whatever JSON arrives as 'messages', rendering gives text or a 400 on 'messages'."""
     try:
-        assert isinstance(render_chat(messages, ChatTemplate()), str)
+        assert isinstance(render_chat(messages, ModelChat(None, ChatTemplate(), None)), str)
     except BadRequest as error:
         assert error.param == "messages"
 

@@ -33,11 +33,23 @@ def start_up(port: int, workdir: Path, env: dict[str, str]) -> tuple[subprocess.
     return up, output.decode()
 
 
-def chat(port: int, key: str, content: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+TOOL_TURN = [
+    {"role": "user", "content": "What time is it?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+]
+
+
+def chat(
+    port: int, key: str, content: str, **extra: Any
+) -> tuple[int, dict[str, str], dict[str, Any]]:
     body = {
         "model": "ensemble",
         "max_tokens": 8,
         "messages": [{"role": "user", "content": content}],
+        **extra,
     }
     response = urllib3.request(
         "POST",
@@ -74,6 +86,9 @@ def test_up_serves_the_printed_first_request_and_stops_cleanly(tmp_path: Path) -
         assert key is not None, text
         status, _, body = chat(port, key.group(1), "Hello!")
         assert status == 200 and body["kvledger"]["replica"] in ("r1", "r2")
+        # The stand-in model's chat template and parser are configured: tools are served.
+        status, _, body = chat(port, key.group(1), "", messages=TOOL_TURN, tools=TOOLS)
+        assert status == 200, body
         exported = re.search(r"export (KVL_URL=\S+ KVL_REDIS_URL=\S+ KVL_ADMIN_TOKEN=\S+)", text)
         assert exported is not None, text
         cli = command_line({**env, **dict(v.split("=", 1) for v in exported.group(1).split())})

@@ -8,7 +8,7 @@ Under one replica's directory::
       tensorrt_llm/          the engine (decoupled); gpt_model_path names ../../engine
       postprocessing/        output_ids -> text
     engine/                  config.json and rank0.engine, as trtllm-build leaves them
-    tokenizer/               tokenizer_config.json (the byte tokenizer's end and pad ids)
+    tokenizer/               tokenizer_config.json (end and pad ids, the chat template)
 
 The layout, names and parameters are those of TensorRT-LLM's ``inflight_batcher_llm`` models
 (see :mod:`backends.sim.configs`), so a client, or the proxy, meets the same topology, final
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from backends.sim import configs
 from backends.sim.engine_files import EngineBuild, Precision, build_engine
-from backends.sim.tokenizer import EOS_ID, VOCAB_SIZE
+from backends.sim.tokenizer import CHAT_TEMPLATE, EOS_ID, VOCAB_SIZE
 
 __all__ = ["ENGINE_MODEL", "MODEL_NAME", "ModelSettings", "Precision", "write_repository"]
 
@@ -64,7 +64,12 @@ def write_repository(root: Path, settings: ModelSettings) -> Path:
     models, tokenizer = root / "models", root / "tokenizer"
     engine = build_engine(engine_dir(root), settings.engine_build())
     tokenizer.mkdir(parents=True, exist_ok=True)
-    token_config = {"eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "vocab_size": VOCAB_SIZE}
+    token_config = {
+        "eos_token_id": EOS_ID,
+        "pad_token_id": EOS_ID,
+        "vocab_size": VOCAB_SIZE,
+        "chat_template": CHAT_TEMPLATE,
+    }
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(token_config, indent=2) + "\n")
     texts = {
         "ensemble": configs.ensemble(),

@@ -90,3 +90,64 @@ class Sampler:
         cdf = np.cumsum(probs)
         index = int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
         return int(kept[min(index, len(kept) - 1)])
+
+
+# The stand-in's chat template, as tokenizer_config.json's ``chat_template`` (a Hugging Face
+# template: the proxy renders it, as the engines' OpenAI servers do). ChatML-like, with a tools
+# section and tool calls and results in the Hermes format (``<tool_call>``, ``<tool_response>``),
+# after the templates Qwen 2.5 ships. The stand-in's model is random and was trained on nothing:
+# this gives the proxy a real template to render, not the model any skill.
+CHAT_TEMPLATE = """\
+{%- if tools %}
+<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}
+# Tools
+
+You may call one or more functions. Their signatures are within <tools></tools>:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+
+For each call, write a JSON object with the function's name and arguments within \
+<tool_call></tool_call>:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{% for message in messages %}
+{% if message.role == 'system' %}
+{% if not loop.first %}{{ raise_exception('a system message must come first') }}{% endif %}
+{% elif message.role == 'user' %}
+<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}
+<|im_start|>assistant
+{% if message.content %}
+{{ message.content }}
+{% endif %}
+{% for call in message.tool_calls or [] %}
+<tool_call>
+{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}
+<|im_end|>
+{% elif message.role == 'tool' %}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}
+{{ raise_exception('unknown role: ' ~ message.role) }}
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"""

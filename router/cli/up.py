@@ -87,6 +87,15 @@ def _pools(running: Sequence[Replica]) -> str:
     return line
 
 
+def chat_model_toml(running: Sequence[Replica]) -> str:
+    """``[models.ensemble]``: the stand-in's chat template (its tokenizer's
+    tokenizer_config.json; every replica writes the same one) and its tool-call format."""
+    from backends.sim.repository import MODEL_NAME
+
+    tokenizer = running[0].workdir / "tokenizer"
+    return f'\n[models.{MODEL_NAME}]\ntokenizer = "{tokenizer}"\ntool_call_parser = "hermes"\n'
+
+
 def run_up(args: argparse.Namespace) -> int:
     from backends.sim.launcher import LaunchError, config_snippet, launch
     from router.cli import local
@@ -107,6 +116,7 @@ def run_up(args: argparse.Namespace) -> int:
                 workdir=workdir,
                 admin_token=token,
                 policy=DEFAULT_POLICY,
+                extra=chat_model_toml(running),
             )
             try:
                 proxy.start()

@@ -10,6 +10,8 @@ from aiohttp import web
 
 from router.errors import NotFound
 from router.flight import Parsed
+from router.http.chat_reply import StreamedCalls, message
+from router.http.chat_request import ChatOptions, parse_chat
 from router.http.context import (
     SETTINGS,
     authenticate,
@@ -18,7 +20,7 @@ from router.http.context import (
     new_request_id,
     read_json,
 )
-from router.http.parse import parse_chat, parse_completion
+from router.http.parse import parse_completion
 from router.http.respond import Reply, serve_json, serve_stream
 
 
@@ -36,13 +38,19 @@ def _finish_reason(parsed: Parsed, record: dict[str, Any]) -> str:
     return "length" if record["completion_tokens"] >= parsed.request.max_tokens else "stop"
 
 
+_PLAIN = ChatOptions(None)
+
+
 class OpenAIReply(Reply):
     """Bodies and stream events in OpenAI's shapes, chat or plain completion."""
 
-    def __init__(self, parsed: Parsed, chat: bool) -> None:
+    def __init__(self, parsed: Parsed, chat: bool, options: ChatOptions | None = None) -> None:
         self.parsed = parsed
         self.chat = chat
         rid = parsed.request.request_id
+        self.options = options or _PLAIN
+        parser = self.options.parser
+        self.calls = StreamedCalls(parser, rid) if parser is not None else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + rid
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -54,7 +62,10 @@ class OpenAIReply(Reply):
         reason = _finish_reason(self.parsed, record)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            rid = self.parsed.request.request_id
+            choice["message"], called = message(text, self.options.parser, rid)
+            if called:
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         return {
@@ -69,19 +80,33 @@ class OpenAIReply(Reply):
         return b"data: " + orjson.dumps({**self._base(obj), "choices": [choice]}) + b"\n\n"
 
     def piece(self, text: str) -> bytes:
+        if self.calls is not None:
+            return self._deltas(self.calls.feed(text))
         if self.chat:
             return self._chunk({"index": 0, "delta": {"content": text}, "finish_reason": None})
         return self._chunk({"index": 0, "text": text, "finish_reason": None, "logprobs": None})
 
+    def _deltas(self, deltas: list[dict[str, Any]]) -> bytes:
+        return b"".join(
+            self._chunk({"index": 0, "delta": d, "finish_reason": None}) for d in deltas
+        )
+
     def closing(self, record: dict[str, Any]) -> bytes:
         reason = _finish_reason(self.parsed, record)
-        end = self._chunk(
+        rest = b""
+        if self.calls is not None:
+            rest = self._deltas(self.calls.finish())
+            if self.calls.calls:
+                reason = "tool_calls"
+        end = rest + self._chunk(
             {"index": 0, "delta": {}, "finish_reason": reason}
             if self.chat
             else {"index": 0, "text": "", "finish_reason": reason, "logprobs": None}
         )
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         ledger = {**self._base(obj), "choices": [], "usage": _usage(record), "kvledger": record}
+        if not self.options.include_usage:
+            del ledger["usage"]
         return end + b"data: " + orjson.dumps(ledger) + b"\n\ndata: [DONE]\n\n"
 
     def error_event(self, error: dict[str, Any]) -> bytes:
@@ -96,12 +121,13 @@ async def serve_completion(
     settings = app[SETTINGS]
     body = await read_json(request)
     label, cap = episode(request), settings.limits.max_tokens
+    options = None
     if chat:
-        parsed = parse_chat(body, new_request_id(), settings.template, cap, label)
+        parsed, options = parse_chat(body, new_request_id(), settings.chat, cap, label)
     else:
         parsed = parse_completion(body, new_request_id(), cap, label)
     check_prompt(app, parsed, "messages" if chat else "prompt")
-    reply = OpenAIReply(parsed, chat)
+    reply = OpenAIReply(parsed, chat, options)
     if parsed.request.stream:
         return await serve_stream(request, app, parsed, principal, reply)
     return await serve_json(app, parsed, principal, reply)

@@ -15,9 +15,6 @@ import orjson
 from backends.base import GenerationRequest
 from router.errors import BadRequest, PromptTooLong
 from router.flight import Parsed
-from router.settings import ChatTemplate
-
-_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -75,7 +72,9 @@ def _model(body: Mapping[str, Any]) -> str:
 
 
 def _flag(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
-    value = body.get(name, default)
+    value = body.get(name)
+    if value is None:  # absent or null: the default, as for every other field
+        return default
     if not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be true or false", param=name)
     return value
@@ -121,37 +120,6 @@ _OPENAI = {"max_tokens": "max_tokens", "stop": "stop"}
 _TRITON = {"max_tokens": "max_tokens", "stop": "stop_words"}
 
 
-def _message(message: Any, index: int) -> tuple[str, str]:
-    """A chat message's role and text; every check comes before any field is used."""
-    if not isinstance(message, dict):
-        raise BadRequest(
-            f"'messages[{index}]' must be an object with 'role' and 'content'", param="messages"
-        )
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or role not in _ROLES:
-        raise BadRequest(
-            f"'messages[{index}].role' must be one of {list(_ROLES)}", param="messages"
-        )
-    if isinstance(content, list):  # content parts: only text parts carry meaning here
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-            raise BadRequest(f"'messages[{index}].content' parts must be text", param="messages")
-        content = "".join(str(p) for p in parts)
-    if not isinstance(content, str):
-        raise BadRequest(f"'messages[{index}].content' must be a string", param="messages")
-    return role, content
-
-
-def render_chat(messages: Any, template: ChatTemplate) -> str:
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
-    rendered = []
-    for i, m in enumerate(messages):
-        role, content = _message(m, i)
-        rendered.append(template.message.format(role=role, content=content))
-    return "".join(rendered) + template.generation_prompt
-
-
 def check_prompt_length(
     model: str, prompt: str, limits: Sequence[tuple[int, int]], param: str
 ) -> None:
@@ -193,18 +161,6 @@ def _common(body: dict[str, Any], request_id: str, prompt: str, cap: int) -> Gen
     n = _integer(body, "n", 1, 1)
     del n  # only n=1 is served; larger values are refused by the range check above
     return _request(request_id, prompt, _flag(body, "stream"), _sampling(body, cap, _OPENAI), ())
-
-
-def parse_chat(
-    body: dict[str, Any],
-    request_id: str,
-    template_for: Any,
-    cap: int,
-    episode: str | None = None,
-) -> Parsed:
-    model = _model(body)
-    prompt = render_chat(body.get("messages"), template_for(model))
-    return Parsed(model, _common(body, request_id, prompt, cap), episode=episode)
 
 
 def parse_completion(
