@@ -1,0 +1,263 @@
+"""Reading records out a page at a time (the /ui/ page) and in bulk (``kvledger export``).
+
+A run's records come from its index stream (``kvl:{run:ID}:lineage``), read with ``XRANGE`` /
+``XREVRANGE`` and a ``COUNT``, so a page of a run of 100,000 requests costs one round trip of
+one page, never the whole run. A time window without a run reads the replicas' streams, whose
+ids are Redis' clock in milliseconds, so ``--since/--until`` become stream id bounds. The
+prompt and output of an eval request come from the run's requests stream, where the eval
+dispatcher keeps them (``router.eval.dispatch``); production requests keep neither.
+
+``COLUMNS`` is the export's schema: one row a request, each record field a typed column, any
+field not listed kept as JSON text in ``extra`` so that nothing is lost.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from router.ledger.errors import redis_call
+from router.ledger.read import LedgerReader
+from router.ledger.runs import RunStore, requests_key
+from router.ledger.schema import entry_record, replica_lineage_key, run_lineage_key, text
+
+PAGE = 1000
+STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+# How far (ms) before a record's index entry the run's requests stream is searched for its input.
+INPUT_WINDOW_MS = 10_000
+
+STRING = "string"
+INT = "int64"
+FLOAT = "float64"
+BOOL = "bool"
+TIME = "timestamp[ms, UTC]"
+# The export's columns, in order, with their types (docs/ui.md lists them with their meaning).
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("request_id", STRING),
+    ("at", TIME),
+    ("key", STRING),
+    ("mode", STRING),
+    ("arm", STRING),
+    ("run", STRING),
+    ("episode", STRING),
+    ("replica", STRING),
+    ("model", STRING),
+    ("engine_digest", STRING),
+    ("generation", INT),
+    ("seq", INT),
+    ("state_before", STRING),
+    ("state_after", STRING),
+    ("state_known", BOOL),
+    ("stale", BOOL),
+    ("unordered", BOOL),
+    ("exact", BOOL),
+    ("verified", BOOL),
+    ("durable", BOOL),
+    ("pending", BOOL),
+    ("warning", STRING),
+    ("digest", STRING),
+    ("prompt_digest", STRING),
+    ("params_digest", STRING),
+    ("output_digest", STRING),
+    ("reused_blocks", INT),
+    ("total_blocks", INT),
+    ("new_blocks", INT),
+    ("cached_tokens", INT),
+    ("prompt_tokens", INT),
+    ("completion_tokens", INT),
+    ("status", STRING),
+    ("latency_ms", FLOAT),
+    ("ttft_ms", FLOAT),
+    ("policy", STRING),
+    ("reason", STRING),
+    ("extra", STRING),
+    ("prompt", STRING),
+    ("output", STRING),
+)
+TYPED = {name for name, _ in COLUMNS} - {"extra", "prompt", "output"}
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """Records of one run in stream order, each with its index entry id, and the ids a page
+    before (``newer``) and after it would start from."""
+
+    entries: list[tuple[str, Record]]
+    older: str | None
+    newer: str | None
+
+
+def ms_of(entry_id: str) -> int:
+    return int(entry_id.partition("-")[0])
+
+
+def at_ms(value: Any) -> int | None:
+    """A record's ``at`` (ISO 8601) in milliseconds since the epoch, None when absent or odd."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return round(datetime.fromisoformat(value).timestamp() * 1000)
+    except ValueError:
+        return None
+
+
+class RecordPages:
+    """The reads of the /ui/ page and the export."""
+
+    def __init__(self, client: aioredis.Redis, timeout_s: float = 5.0) -> None:
+        self._client = client
+        self._timeout = timeout_s
+        self.reader = LedgerReader(client, timeout_s)
+        self.store = RunStore(client, timeout_s)
+
+    async def run_length(self, run: str) -> int:
+        async with redis_call("count run records", self._timeout):
+            return int(await self._client.xlen(run_lineage_key(run)))
+
+    async def run_page(
+        self, run: str, count: int, *, after: str | None = None, before: str | None = None
+    ) -> Page:
+        """``count`` records of the run after entry ``after`` (from the start when neither is
+        given), or the ``count`` before ``before``; oldest first either way."""
+        key = run_lineage_key(run)
+        async with redis_call("read run page", self._timeout):
+            if before is not None:
+                raw = await self._client.xrevrange(key, "(" + before, "-", count=count + 1)
+                raw = list(raw or [])[::-1]
+                more_before = len(raw) > count
+                raw = raw[1:] if more_before else raw
+                more_after = True
+            else:
+                low = "-" if after is None else "(" + after
+                raw = list(await self._client.xrange(key, low, "+", count=count + 1) or [])
+                more_after = len(raw) > count
+                raw = raw[:count]
+                more_before = after is not None
+        entries = [(text(i), r) for i, f in raw if (r := entry_record(f)) is not None]
+        ids = [text(i) for i, _ in raw]
+        return Page(
+            entries,
+            older=ids[0] if ids and more_before else None,
+            newer=ids[-1] if ids and more_after else None,
+        )
+
+    async def run_entry(self, run: str, entry_id: str) -> Record | None:
+        async with redis_call("read run entry", self._timeout):
+            raw = list(
+                await self._client.xrange(run_lineage_key(run), entry_id, entry_id, count=1) or []
+            )
+        return entry_record(raw[0][1]) if raw else None
+
+    async def find_input(self, run: str, request_id: str, near: str) -> Record | None:
+        """The run's kept input (and output) of ``request_id``, searched from a little before
+        its index entry ``near`` (the input is written just after the record)."""
+        low = f"{max(0, ms_of(near) - INPUT_WINDOW_MS)}-0"
+        for _ in range(20):
+            async with redis_call("read run input", self._timeout):
+                raw = list(await self._client.xrange(requests_key(run), low, "+", count=200) or [])
+            for _id, fields in raw:
+                entry = _entry(fields)
+                if entry is not None and entry.get("request_id") == request_id:
+                    return entry
+            if len(raw) < 200:
+                return None
+            low = "(" + text(raw[-1][0])
+        return None
+
+    async def inputs(self, run: str) -> dict[str, Record]:
+        """Every kept input of the run, by request id."""
+        return {str(e.get("request_id")): e for e in await self.store.requests(run)}
+
+    async def runs_of(self, arm: str) -> list[str]:
+        """The arm's runs, oldest first."""
+        runs = await self.store.recent(100_000)
+        return [r["id"] for r in reversed(runs) if r.get("arm") == arm and "id" in r]
+
+    async def run_records(self, run: str) -> AsyncIterator[list[Record]]:
+        """The run's records a page at a time, oldest first, each request once."""
+        seen: set[str] = set()
+        low = "-"
+        while True:
+            async with redis_call("read run", self._timeout):
+                raw = list(
+                    await self._client.xrange(run_lineage_key(run), low, "+", count=PAGE) or []
+                )
+            page = [r for _i, f in raw if (r := entry_record(f)) is not None]
+            fresh = [r for r in page if str(r.get("request_id")) not in seen]
+            seen.update(str(r.get("request_id")) for r in fresh)
+            if fresh:
+                yield fresh
+            if len(raw) < PAGE:
+                return
+            low = "(" + text(raw[-1][0])
+
+    async def window(self, since_ms: int, until_ms: int) -> AsyncIterator[list[Record]]:
+        """Every replica's records written in [since, until], merged in Redis' order."""
+        found: list[tuple[tuple[int, int], Record]] = []
+        for replica in await self.reader.replica_ids():
+            low = f"{since_ms}-0"
+            while True:
+                async with redis_call("read lineage", self._timeout):
+                    raw = list(
+                        await self._client.xrange(
+                            replica_lineage_key(replica), low, str(until_ms), count=PAGE
+                        )
+                        or []
+                    )
+                for entry_id, fields in raw:
+                    record = entry_record(fields)
+                    if record is not None:
+                        ms, _, n = text(entry_id).partition("-")
+                        found.append(((int(ms), int(n or 0)), record))
+                if len(raw) < PAGE:
+                    break
+                low = "(" + text(raw[-1][0])
+        found.sort(key=lambda pair: pair[0])
+        for i in range(0, len(found), PAGE):
+            yield [record for _, record in found[i : i + PAGE]]
+
+
+def _entry(fields: Any) -> Record | None:
+    raw = (fields or {}).get(b"e") or (fields or {}).get("e")
+    if raw is None:
+        return None
+    found: Record = orjson.loads(raw)
+    return found
+
+
+def row(record: Record, kept: Record | None) -> Record:
+    """One export row: the record's typed fields, ``extra`` for the rest, prompt and output."""
+    out: Record = {name: record.get(name) for name in TYPED}
+    rest = {k: v for k, v in record.items() if k not in TYPED}
+    out["extra"] = orjson.dumps(rest, option=orjson.OPT_SORT_KEYS).decode() if rest else None
+    out["prompt"] = None if kept is None else kept.get("prompt")
+    out["output"] = None if kept is None else kept.get("output")
+    return out
+
+
+def row_fields(rows: Iterable[Record]) -> dict[str, list[Any]]:
+    """Rows as columns, values coerced to their column's type (``at`` to epoch ms)."""
+    columns: dict[str, list[Any]] = {name: [] for name, _ in COLUMNS}
+    for r in rows:
+        for name, kind in COLUMNS:
+            value = r.get(name)
+            if kind == TIME:
+                value = at_ms(value)
+            elif value is not None and kind == INT:
+                value = int(value)
+            elif value is not None and kind == FLOAT:
+                value = float(value)
+            elif value is not None and kind == BOOL:
+                value = bool(value)
+            elif value is not None and kind == STRING and not isinstance(value, str):
+                value = orjson.dumps(value).decode()
+            columns[name].append(value)
+    return columns
