@@ -35,7 +35,7 @@ def register(commands: Any) -> None:
     export = commands.add_parser(
         "export", help="records of a run, an arm or a time window to Parquet or JSON Lines"
     )
-    export.add_argument("--run", help="the records of this run")
+    export.add_argument("--run", dest="run_id", metavar="RUN", help="the records of this run")
     export.add_argument("--arm", help="the records of every run of this arm, oldest run first")
     export.add_argument("--since", type=_when, help="from this time (ISO 8601, UTC if no zone)")
     export.add_argument("--until", type=_when, help="up to this time (ISO 8601)")
@@ -136,9 +136,9 @@ class Parquet:
 
 @cli_errors
 def run_export(args: argparse.Namespace) -> int:
-    if not (args.run or args.arm or args.since is not None or args.until is not None):
+    if not (args.run_id or args.arm or args.since is not None or args.until is not None):
         raise CliError("say what to export: --run, --arm, or --since/--until", code=2)
-    if args.run and args.arm:
+    if args.run_id and args.arm:
         raise CliError("give --run or --arm, not both", code=2)
     out: Path = args.out
     partial = out.with_name(out.name + ".partial")
@@ -159,7 +159,7 @@ async def _export(client: RedisClient, args: argparse.Namespace, sink: Sink) -> 
     pages = RecordPages(client, timeout_s=10.0)
     since = -1 if args.since is None else int(args.since)
     until = 2**62 if args.until is None else int(args.until)
-    runs = [args.run] if args.run else await pages.runs_of(args.arm) if args.arm else []
+    runs = [args.run_id] if args.run_id else await pages.runs_of(args.arm) if args.arm else []
     if args.arm and not runs:
         raise CliError(f"no runs of arm '{args.arm}'")
     total = sum([await pages.run_length(r) for r in runs]) if runs else None

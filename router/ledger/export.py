@@ -31,6 +31,8 @@ PAGE = 1000
 STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
 # How far (ms) before a record's index entry the run's requests stream is searched for its input.
 INPUT_WINDOW_MS = 10_000
+# A record's stream entry is written after its ``at`` (a request's length, a spool's wait).
+WINDOW_SLACK_MS = 600_000
 
 STRING = "string"
 INT = "int64"
@@ -141,7 +143,7 @@ class RecordPages:
                 more_after = len(raw) > count
                 raw = raw[:count]
                 more_before = after is not None
-        entries = [(text(i), r) for i, f in raw if (r := entry_record(f)) is not None]
+        entries = [(text(i), r) for i, f in raw if (r := entry_record(f or {})) is not None]
         ids = [text(i) for i, _ in raw]
         return Page(
             entries,
@@ -154,7 +156,7 @@ class RecordPages:
             raw = list(
                 await self._client.xrange(run_lineage_key(run), entry_id, entry_id, count=1) or []
             )
-        return entry_record(raw[0][1]) if raw else None
+        return entry_record(raw[0][1] or {}) if raw else None
 
     async def find_input(self, run: str, request_id: str, near: str) -> Record | None:
         """The run's kept input (and output) of ``request_id``, searched from a little before
@@ -190,7 +192,7 @@ class RecordPages:
                 raw = list(
                     await self._client.xrange(run_lineage_key(run), low, "+", count=PAGE) or []
                 )
-            page = [r for _i, f in raw if (r := entry_record(f)) is not None]
+            page = [r for _i, f in raw if (r := entry_record(f or {})) is not None]
             fresh = [r for r in page if str(r.get("request_id")) not in seen]
             seen.update(str(r.get("request_id")) for r in fresh)
             if fresh:
@@ -200,21 +202,24 @@ class RecordPages:
             low = "(" + text(raw[-1][0])
 
     async def window(self, since_ms: int, until_ms: int) -> AsyncIterator[list[Record]]:
-        """Every replica's records written in [since, until], merged in Redis' order."""
+        """Every replica's records whose ``at`` is in [since, until], in Redis' order. A record
+        is stamped before its stream entry is written, so the ids are read with a margin."""
+        low_ms, high_ms = max(0, since_ms - WINDOW_SLACK_MS), until_ms + WINDOW_SLACK_MS
         found: list[tuple[tuple[int, int], Record]] = []
         for replica in await self.reader.replica_ids():
-            low = f"{since_ms}-0"
+            low = f"{low_ms}-0"
             while True:
                 async with redis_call("read lineage", self._timeout):
                     raw = list(
                         await self._client.xrange(
-                            replica_lineage_key(replica), low, str(until_ms), count=PAGE
+                            replica_lineage_key(replica), low, str(high_ms), count=PAGE
                         )
                         or []
                     )
                 for entry_id, fields in raw:
-                    record = entry_record(fields)
-                    if record is not None:
+                    record = entry_record(fields or {})
+                    at = None if record is None else at_ms(record.get("at"))
+                    if record is not None and at is not None and since_ms <= at <= until_ms:
                         ms, _, n = text(entry_id).partition("-")
                         found.append(((int(ms), int(n or 0)), record))
                 if len(raw) < PAGE:
