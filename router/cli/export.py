@@ -89,7 +89,7 @@ class Progress:
 
 
 class Sink(Protocol):
-    def write(self, rows: list[Record], records: list[Record]) -> None: ...
+    def write(self, records: list[Record], kept: list[Record | None]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -97,10 +97,12 @@ class JsonLines:
     def __init__(self, path: Path) -> None:
         self.file = path.open("wb")
 
-    def write(self, rows: list[Record], records: list[Record]) -> None:
-        for record, r in zip(records, rows, strict=True):
-            kept = {k: r[k] for k in ("prompt", "output") if r.get(k) is not None}
-            self.file.write(orjson.dumps({**record, **kept}) + b"\n")
+    def write(self, records: list[Record], kept: list[Record | None]) -> None:
+        for record, k in zip(records, kept, strict=True):
+            if k is not None:
+                extra = {n: k[n] for n in ("prompt", "output") if k.get(n) is not None}
+                record = {**record, **extra}
+            self.file.write(orjson.dumps(record) + b"\n")
 
     def close(self) -> None:
         self.file.close()
@@ -121,14 +123,30 @@ class Parquet:
             "timestamp[ms, UTC]": pa.timestamp("ms", tz="UTC"),
         }
         self.pa = pa
+        self.kinds = dict(COLUMNS)
         self.schema = pa.schema([(name, types[kind]) for name, kind in COLUMNS])
         self.writer = pq.ParquetWriter(path, self.schema, compression="zstd")
 
-    def write(self, rows: list[Record], records: list[Record]) -> None:
-        from router.ledger.export import row_fields
+    def write(self, records: list[Record], kept: list[Record | None]) -> None:
+        from router.ledger.export import columns
 
-        table = self.pa.Table.from_pydict(row_fields(rows), schema=self.schema)
-        self.writer.write_table(table)
+        data = columns(records, kept)
+        arrays = [self._array(data[f.name], f) for f in self.schema]
+        self.writer.write_table(self.pa.Table.from_arrays(arrays, schema=self.schema))
+
+    def _array(self, values: list[Any], column: Any) -> Any:
+        """pyarrow converts a column at once; ``at`` is parsed from its ISO 8601 text."""
+        from router.ledger.export import coerce
+
+        pa, kind = self.pa, self.kinds[column.name]
+        try:
+            if kind == "timestamp[ms, UTC]":
+                return pa.array(values, pa.string()).cast(column.type)
+            return pa.array(values, column.type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            return pa.array(
+                coerce(values, kind), pa.int64() if kind.startswith("time") else column.type
+            ).cast(column.type)
 
     def close(self) -> None:
         self.writer.close()
@@ -154,7 +172,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 async def _export(client: RedisClient, args: argparse.Namespace, sink: Sink) -> int:
-    from router.ledger.export import RecordPages, at_ms, row
+    from router.ledger.export import RecordPages, at_ms
 
     pages = RecordPages(client, timeout_s=10.0)
     since = -1 if args.since is None else int(args.since)
@@ -168,15 +186,13 @@ async def _export(client: RedisClient, args: argparse.Namespace, sink: Sink) -> 
     count = 0
     async for records in _batches(pages, runs, since, until):
         progress.add(len(records))
-        if runs:
+        if runs and (args.since is not None or args.until is not None):
             records = [r for r in records if since <= (at_ms(r.get("at")) or 0) <= until]
         for run in {str(r["run"]) for r in records if r.get("run")} - set(kept):
             kept[run] = await pages.inputs(run)
-        rows = [
-            row(r, kept.get(str(r.get("run")), {}).get(str(r.get("request_id")))) for r in records
-        ]
-        sink.write(rows, records)
-        count += len(rows)
+        inputs = [kept.get(str(r.get("run")), {}).get(str(r.get("request_id"))) for r in records]
+        sink.write(records, inputs)
+        count += len(records)
     progress.close()
     return count
 

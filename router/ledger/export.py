@@ -14,7 +14,7 @@ field not listed kept as JSON text in ``extra`` so that nothing is lost.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -238,22 +238,30 @@ def _entry(fields: Any) -> Record | None:
     return found
 
 
-def row(record: Record, kept: Record | None) -> Record:
-    """One export row: the record's typed fields, ``extra`` for the rest, prompt and output."""
-    out: Record = {name: record.get(name) for name in TYPED}
-    rest = {k: v for k, v in record.items() if k not in TYPED}
-    out["extra"] = orjson.dumps(rest, option=orjson.OPT_SORT_KEYS).decode() if rest else None
-    out["prompt"] = None if kept is None else kept.get("prompt")
-    out["output"] = None if kept is None else kept.get("output")
+def columns(records: list[Record], kept: list[Record | None]) -> dict[str, list[Any]]:
+    """The records as the export's columns, values as the records hold them (``coerce`` makes
+    them fit a column's type where a record holds something else); ``extra`` holds, as JSON,
+    any field without a column of its own, and ``prompt`` and ``output`` the kept input."""
+    out: dict[str, list[Any]] = {name: [r.get(name) for r in records] for name in TYPED}
+    out["extra"] = [_extra(r) for r in records]
+    out["prompt"] = [None if k is None else k.get("prompt") for k in kept]
+    out["output"] = [None if k is None else k.get("output") for k in kept]
     return out
 
 
-def row_fields(rows: Iterable[Record]) -> dict[str, list[Any]]:
-    """Rows as columns, values coerced to their column's type (``at`` to epoch ms)."""
-    columns: dict[str, list[Any]] = {name: [] for name, _ in COLUMNS}
-    for r in rows:
-        for name, kind in COLUMNS:
-            value = r.get(name)
+def _extra(record: Record) -> str | None:
+    names = record.keys() - TYPED  # a set operation in C: most records have no extra field
+    if not names:
+        return None
+    return orjson.dumps({k: record[k] for k in names}, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def coerce(values: list[Any], kind: str) -> list[Any]:
+    """``values`` made to fit a column of ``kind`` (``at`` to epoch ms; odd values to None or
+    their JSON text): the slow path, for a batch the fast conversion refused."""
+    out: list[Any] = []
+    for value in values:
+        try:
             if kind == TIME:
                 value = at_ms(value)
             elif value is not None and kind == INT:
@@ -264,5 +272,7 @@ def row_fields(rows: Iterable[Record]) -> dict[str, list[Any]]:
                 value = bool(value)
             elif value is not None and kind == STRING and not isinstance(value, str):
                 value = orjson.dumps(value).decode()
-            columns[name].append(value)
-    return columns
+        except (TypeError, ValueError):
+            value = None
+        out.append(value)
+    return out
