@@ -131,7 +131,8 @@ def test_an_arm_export_reproduces_the_divergence_table(
     con = duckdb.connect()
     # docs/ui.md, "From a notebook", with this test's file and runs:
     con.sql(
-        "CREATE VIEW r AS SELECT *, row_number() OVER (PARTITION BY run, episode ORDER BY \"at\") - 1"
+        "CREATE VIEW r AS SELECT *,"
+        ' row_number() OVER (PARTITION BY run, episode ORDER BY "at") - 1'
         f" AS pos FROM '{out}'"
     )
     table = con.sql(

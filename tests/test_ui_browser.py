@@ -3,8 +3,8 @@
 Two runs of a ``shared`` arm on a warm cache diverge (as in tests/test_eval_runs.py); the test
 logs in, compares them, sees the diverged episodes with their first differing request and
 causes, starts explain and reads its verdict; an output carrying a script runs nothing.
-With ``KVL_SCREENSHOTS=1`` it saves the compare and arms views to docs/ui/ (otherwise it
-leaves the tree alone, so CI does not dirty it).
+With ``KVL_SCREENSHOTS=1`` it saves the compare, explain, arms and fleet views to docs/ui/
+(otherwise it leaves the tree alone, so CI does not dirty it).
 """
 
 from __future__ import annotations
@@ -166,10 +166,15 @@ def test_compare_shows_the_divergence_and_explain_gives_a_verdict(
     assert "divergence(s) proven caused by cache state" in page.locator("#verdict").inner_text()
     row = page.locator("table.cases tbody tr").first.inner_text()
     assert "proven" in row and any(s in row for s in ("A (the", "B (the", "both", "neither"))
+    _shot(page, "explain.png")
     page.goto("/ui/arms")
     assert page.locator("#divergence-chart rect").count() >= 2  # shared and hostile arms
     assert "shared" in page.locator("table.arms").inner_text()
     _shot(page, "arms.png")
+    page.goto("/ui/fleet")
+    assert page.locator("#generations-chart rect").count() >= 2  # r2's reset among them
+    assert "r2" in page.locator("table.fleet").inner_text()
+    _shot(page, "fleet.png")
     assert not [m for m in messages if m.startswith(("error", "warning", "pageerror"))], messages
     context.close()
 

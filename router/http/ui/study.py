@@ -117,7 +117,7 @@ async def arms_view(request: web.Request) -> web.StreamResponse:
 def kind_of(reason: str) -> str:
     """A generation change's kind, for its colour on the timeline."""
     low = reason.lower()
-    if "unknown" in low or "first seen" in low or "not seen" in low:
+    if "unknown" in low or "not seen" in low:
         return "unknown"
     if "reset" in low:
         return "reset"
@@ -142,7 +142,7 @@ def _timeline(events: list[dict[str, Any]], replicas: list[str]) -> dict[str, An
     return {
         "lanes": lanes,
         "width": CHART_W,
-        "height": 40 + len(replicas) * 30,
+        "height": 54 + len(replicas) * 30,
         "x0": LABEL_W,
         "low": _iso(low) if times else "",
         "high": _iso(high) if times else "",

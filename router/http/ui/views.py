@@ -21,7 +21,7 @@ from router.ledger.export import STREAM_ID, RecordPages
 RUNS_PER_PAGE = 25
 REQUESTS_PER_PAGE = 100
 MAX_PER_PAGE = 1_000
-SHARE_LIMIT = 5_000
+SHARE_LIMIT = 2_000
 ARM_SCAN = 5_000
 
 
