@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from router.cli import audit, keys, lineage, replica, replicas, runs, serve, up
+from router.cli import audit, export, keys, lineage, replica, replicas, runs, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.register(commands)
     runs.register(commands)
     audit.register(commands)
+    export.register(commands)
     return parser
 
 

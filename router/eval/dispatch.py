@@ -271,6 +271,7 @@ class EvalDispatcher:
                 "state_before": record["state_before"],
                 "state_after": record["state_after"],
                 "output_digest": record["output_digest"],
+                "output": flight.text,  # shown by the /ui/ page and `kvledger export`
                 "verified": record["verified"],
             },
         )

@@ -26,7 +26,7 @@ from router.dispatch import Dispatcher
 from router.eval.dispatch import EvalDispatcher
 from router.eval.runs import Runs
 from router.fleet import Fleet, ReplicaState
-from router.http import admin, admin_explain, admin_runs, openai, ops, triton
+from router.http import admin, admin_explain, admin_runs, openai, ops, triton, ui
 from router.http.context import (
     DISPATCH,
     EVAL,
@@ -184,4 +184,5 @@ def create_app(
     app.cleanup_ctx.append(_fleet_ctx(backends))
     for module in (openai, triton, ops, admin, admin_explain, admin_runs):
         app.add_routes(module.routes())
+    ui.setup(app)
     return app
