@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -209,6 +209,7 @@ _body = st.fixed_dictionaries(
 )
 
 
+@settings(deadline=None)  # a shared 2-core machine: no timing in tests
 @given(body=_body)
 def test_any_chat_body_parses_or_is_a_400(body: dict[str, Any]) -> None:
     """Whatever a client sends, the chat front answers with a request or a 400, never a
