@@ -16,7 +16,13 @@ A prompt over the limit is refused by the executor (``LlmRequest::validate`` in
 not refused: its output is clamped to ``max_seq_len - prompt``.
 
 Pure functions of the engine's ``config.json`` (as a dict) and the model's parameters (plain
-strings, as Triton's model config holds them); the proxy and the stand-in both use them.
+strings, or Triton's model-config form ``{"string_value": ...}``); the proxy and the stand-in
+both use them.
+
+``tokens_per_block`` is the engine's ``plugin_config.tokens_per_block``: the metrics page's
+``tokens_per`` gauge reads 0 after every load until the first request, so it is no source.
+The executor's refusal is recognised by its message (:func:`is_prompt_refusal`), whatever
+status Triton gives it (INTERNAL, HTTP 500, on a GPU).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _TRUE = ("1", "true", "yes", "on")
+REFUSAL_MARK = "exceeds maximum input length"
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,31 @@ def _int(section: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
+def plain_params(parameters: Mapping[str, Any] | None) -> dict[str, str]:
+    """Triton's model-config ``parameters`` (``{name: {"string_value": v}}``) as plain strings;
+    the template's unfilled ``${...}`` placeholders left out."""
+    plain: dict[str, str] = {}
+    for name, entry in (parameters or {}).items():
+        value = entry.get("string_value") if isinstance(entry, Mapping) else entry
+        text = "" if value is None else str(value).strip()
+        if text and not text.startswith("${"):
+            plain[str(name)] = text
+    return plain
+
+
+def tokens_per_block(config: Mapping[str, Any]) -> int | None:
+    """``build_config.plugin_config.tokens_per_block``: the engine's KV-cache block size."""
+    build: Mapping[str, Any] = config.get("build_config") or config.get("builder_config") or {}
+    plugins: Mapping[str, Any] = build.get("plugin_config") or {}
+    return _int(plugins, "tokens_per_block") or _int(build, "tokens_per_block")
+
+
+def is_prompt_refusal(message: str) -> bool:
+    """Whether an engine error is the executor refusing a prompt over its limit (a client's
+    mistake, whatever status it came with)."""
+    return REFUSAL_MARK in message
+
+
 def _switch(value: Any, default: bool) -> bool:
     if value is None or value == "":
         return default
@@ -52,9 +84,10 @@ def _switch(value: Any, default: bool) -> bool:
     return str(value).strip().lower() in _TRUE
 
 
-def engine_limits(config: Mapping[str, Any], params: Mapping[str, str]) -> EngineLimits | None:
+def engine_limits(config: Mapping[str, Any], parameters: Mapping[str, Any]) -> EngineLimits | None:
     """The limits of an engine (``config.json``) run with these ``tensorrt_llm`` parameters;
     None when the config names no ``max_seq_len`` or ``max_input_len`` to work from."""
+    params = plain_params(parameters)
     build: Mapping[str, Any] = config.get("build_config") or config.get("builder_config") or {}
     plugins: Mapping[str, Any] = build.get("plugin_config") or {}
     built_input = _int(build, "max_input_len")
