@@ -7,8 +7,8 @@ The limit is not always the engine's ``build_config.max_input_len``. TensorRT-LL
   ``max_seq_len - 1``;
 - else, context FMHA with packed input (``plugin_config.context_fmha`` and
   ``plugin_config.remove_input_padding``, both on by default): ``min(max_seq_len - 1,
-  max_num_tokens)``, where ``max_num_tokens`` is the engine's, lowered by the model's
-  ``max_num_tokens`` parameter when that is smaller;
+  max_num_tokens)``, with the engine's ``max_num_tokens`` (the Triton backend's
+  ``model_instance_state.cc`` passes no runtime ``maxNumTokens`` to the ``ExecutorConfig``);
 - else the built ``max_input_len``.
 
 A prompt over the limit is refused by the executor (``LlmRequest::validate`` in
@@ -95,10 +95,6 @@ def engine_limits(config: Mapping[str, Any], parameters: Mapping[str, Any]) -> E
     if max_seq is None:
         return None
     max_tokens = _int(build, "max_num_tokens")
-    runtime_tokens = str(params.get("max_num_tokens") or "").strip()
-    if runtime_tokens.isdigit() and int(runtime_tokens) > 0:
-        # trtGptModel.h: a runtime value larger than the engine's is ignored.
-        max_tokens = min(max_tokens or int(runtime_tokens), int(runtime_tokens))
     if _switch(params.get("enable_chunked_context"), False):
         return EngineLimits(max_seq - 1, max_seq, "max_seq_len - 1 (chunked context)")
     context_fmha = _switch(plugins.get("context_fmha"), True)
@@ -121,7 +117,12 @@ def clamped_output_len(prompt_len: int, output_len: int, limits: EngineLimits) -
 
 
 def prompt_too_long(prompt_len: int, limits: EngineLimits) -> str | None:
-    """The executor's refusal of a prompt over the limit, or None when it fits."""
+    """The executor's refusal of a prompt over the limit (``LlmRequest::validate``), or None
+    when it fits. The Triton backend sends it as an INTERNAL error prefixed with "Executor failed
+    process requestId N due to the following error: " (``model_instance_state.cc``)."""
     if prompt_len <= limits.max_input_len:
         return None
-    return f"Prompt length ({prompt_len}) exceeds maximum input length ({limits.max_input_len})."
+    return (
+        f"Prompt length ({prompt_len}) exceeds maximum input length ({limits.max_input_len})."
+        " Set log level to info and check TRTGptModel logs for how maximum input length is set"
+    )
