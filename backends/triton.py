@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -42,9 +42,13 @@ from backends.base import (
     GenerationRequest,
     ReplicaCounters,
 )
+from backends.engine_limits import is_prompt_refusal
 from backends.triton_control import TritonControl
 from backends.triton_grpc import Input, StreamCall, StreamChannel, infer_request
 from backends.triton_grpc import tensor as _tensor
+from backends.triton_target import TritonTarget
+
+__all__ = ["TritonBackend", "TritonTarget", "build_inputs", "parse_stats", "text_of"]
 
 _NUMBERS = (int, float)
 _STATS = {
@@ -57,22 +61,6 @@ _STATS = {
     "num_input_tokens": "input_tokens",
     "num_output_tokens": "output_tokens",
 }
-
-
-@dataclass(frozen=True)
-class TritonTarget:
-    """Where one replica listens and which TensorRT-LLM input names its version uses."""
-
-    replica_id: str
-    grpc: str
-    metrics: str
-    model: str = "ensemble"
-    seed_input: str = "seed"  # "random_seed" before TensorRT-LLM 0.20
-    perf_input: str = "return_perf_metrics"  # "return_kv_cache_reuse_stats" before 0.19
-    token_counts: bool = True  # return_num_{input,output}_tokens: ensembles of 0.16-0.19 lack them
-    timeout_s: float = 10.0
-    engine_model: str = "tensorrt_llm"  # the model every path to the KV cache goes through
-    engine_dir: str = ""  # its engine directory as this process reads it ("" = gpt_model_path)
 
 
 def constant_inputs(target: TritonTarget) -> tuple[Input, ...]:
@@ -112,7 +100,13 @@ def build_inputs(
 def parse_stats(outputs: Mapping[str, Any], base: EngineStats | None = None) -> EngineStats | None:
     """TensorRT-LLM's per-request statistics in one response's outputs (output name -> numpy
     array, list or scalar, as tritonclient or a JSON body gives them), over ``base`` (what
-    earlier responses of the stream carried); None when neither has any."""
+    earlier responses of the stream carried); None when neither has any.
+
+    The request's statistics (blocks, token times, ``num_input_tokens``) are the same on every
+    response that carries them: the last one counts. ``num_output_tokens`` counts the tokens of
+    *that* response (``model_instance_state.cc``, ``fillTritonResponse``: ``outputTokensSize``
+    per response), so a stream's count is the sum over its responses; a flags-only final
+    response (the ensemble's extra end, ``ensemble_scheduler.cc``) adds nothing."""
     if outputs.keys().isdisjoint(_STATS):  # most responses of a stream carry a token only
         return base
     values: dict[str, int] = {}
@@ -128,7 +122,11 @@ def parse_stats(outputs: Mapping[str, Any], base: EngineStats | None = None) -> 
         )
     if not values:
         return base
-    return replace(base, **values) if base is not None else EngineStats(**values)
+    if base is None:
+        return EngineStats(**values)
+    if "output_tokens" in values:
+        values["output_tokens"] += base.output_tokens
+    return replace(base, **values)
 
 
 def text_of(outputs: Mapping[str, Any]) -> str:
@@ -248,14 +246,15 @@ class TritonBackend:
     def _translate(self, error: InferenceServerException, produced: bool) -> Exception:
         message = error.message() or str(error)
         status = error.status() or ""
+        if is_prompt_refusal(message) and not produced:
+            # The executor refusing a prompt over its limit (INTERNAL on a GPU replica): the
+            # client's mistake, not the replica's (``llmRequest.cpp``, ``validate``).
+            return BackendRejected(self.replica_id, message)
         if "UNAVAILABLE" in status or "unavailable" in message.lower() or "not found" in message:
             kind: type[Exception] = BackendFailed if produced else BackendUnavailable
             return kind(self.replica_id, message)
-        if (
-            "exceeds maximum input length" in message
-            or "exceeds maximum sequence length" in message
-        ):
-            return BackendRejected(self.replica_id, message)  # TensorRT-LLM's admission check
+        if "exceeds maximum sequence length" in message and not produced:
+            return BackendRejected(self.replica_id, message)  # engines before the output clamp
         if produced or "internal" in message.lower():
             return BackendFailed(self.replica_id, message)
         return BackendRejected(self.replica_id, message)

@@ -19,11 +19,10 @@ from tritonclient.utils import InferenceServerException
 
 from backends.base import BackendFailed, BackendUnavailable, ReplicaCounters
 from backends.engine_dir import EngineDir, max_input_len
+from backends.triton_target import TritonTarget
 
 if TYPE_CHECKING:
     import tritonclient.grpc.aio as grpcaio
-
-    from backends.triton import TritonTarget
 
 _KV = "nv_trt_llm_kv_cache_block_metrics"
 
