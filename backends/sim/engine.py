@@ -149,7 +149,8 @@ class Engine:
     ) -> GenerationResult:
         """Generate a completion of a text or of token ids; `on_token(id, text)` streams each
         emitted token but the last (which the caller sends with its final response: the output
-        tokens after those streamed). `is_cancelled` is asked between prefill chunks and between tokens."""
+        tokens after those streamed). `is_cancelled` is asked between prefill chunks and between
+        tokens."""
         arrival = time.time_ns() if arrival_time_ns is None else arrival_time_ns
         validate_params(params)
         tokens = encode(prompt) if isinstance(prompt, str) else list(prompt)
