@@ -113,6 +113,16 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the engine's own files say the runtime admits (``backends.engine_limits``)."""
+
+    prompt_limit: int | None = None  # the longest prompt the executor takes (trtGptModel.h)
+    max_seq_len: int | None = None  # prompt + output past it: output clamped, not refused
+    tokens_per_block: int | None = None  # plugin_config.tokens_per_block (not a gauge: 0 at load)
+    rule: str = ""  # which of trtGptModel.h's cases set ``prompt_limit``
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaCounters:
     """What the replica says about itself, for generation tracking and continuity checks."""
 
@@ -171,6 +181,11 @@ class Backend(Protocol):
 
     async def max_input_len(self) -> int | None:
         """The longest prompt (in tokens) the engine admits, or None when it cannot be read."""
+        ...
+
+    async def engine_facts(self) -> EngineFacts:
+        """The runtime's prompt limit, sequence limit and block size, from the engine's files
+        and the engine model's parameters (unknown fields None)."""
         ...
 
     async def counters(self) -> ReplicaCounters:

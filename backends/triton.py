@@ -38,6 +38,7 @@ from backends.base import (
     BackendRejected,
     BackendUnavailable,
     Chunk,
+    EngineFacts,
     EngineStats,
     GenerationRequest,
     ReplicaCounters,
@@ -276,6 +277,9 @@ class TritonBackend:
 
     async def max_input_len(self) -> int | None:
         return await self.control.max_input_len()
+
+    async def engine_facts(self) -> EngineFacts:
+        return await self.control.engine_facts()
 
     async def counters(self) -> ReplicaCounters:
         return await self.control.counters()

@@ -17,8 +17,9 @@ import aiohttp
 import orjson
 from tritonclient.utils import InferenceServerException
 
-from backends.base import BackendFailed, BackendUnavailable, ReplicaCounters
+from backends.base import BackendFailed, BackendUnavailable, EngineFacts, ReplicaCounters
 from backends.engine_dir import EngineDir, max_input_len
+from backends.engine_limits import engine_limits, tokens_per_block
 from backends.triton_target import TritonTarget
 
 if TYPE_CHECKING:
@@ -155,13 +156,23 @@ class TritonControl:
         return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     async def max_input_len(self) -> int | None:
-        """The engine's ``max_input_len`` (its config.json), or None when it cannot be read.
-        Cached until the engine is seen reloaded: cheap enough to ask per request."""
-        path = self.target.engine_dir or self._gpt_model_path
-        if path is None:
-            path = self._engine_path(await self._model_config(self.target.engine_model))
-        config = await self._engine.config(path)
-        return max_input_len(config) if config is not None else None
+        """The longest prompt the executor admits, or None when it cannot be read."""
+        return (await self.engine_facts()).prompt_limit
+
+    async def engine_facts(self) -> EngineFacts:
+        """The runtime's limits as TensorRT-LLM computes them (:mod:`backends.engine_limits`)
+        from the engine's config.json (cached until the engine is seen reloaded) and the engine
+        model's parameters (``enable_chunked_context``); the built ``max_input_len`` when the
+        config names no ``max_seq_len``."""
+        engine_config = await self._model_config(self.target.engine_model)
+        config = await self._engine.config(self._engine_path(engine_config))
+        if config is None:
+            return EngineFacts()
+        found = engine_limits(config, engine_config.get("parameters") or {})
+        block = tokens_per_block(config)
+        if found is None:
+            return EngineFacts(max_input_len(config), None, block, "max_input_len (as built)")
+        return EngineFacts(found.max_input_len, found.max_seq_len, block, found.rule)
 
     def _engine_path(self, engine_config: Mapping[str, Any]) -> str:
         if self.target.engine_dir:

@@ -116,7 +116,7 @@ class Flight:
             principal,
             decision.policy,
             decision.reason,
-            replica.settings.tokens_per_block,
+            replica.tokens_per_block,
             admission,
         )
 

@@ -32,10 +32,6 @@ def _usage(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _finish_reason(parsed: Parsed, record: dict[str, Any]) -> str:
-    return "length" if record["completion_tokens"] >= parsed.request.max_tokens else "stop"
-
-
 class OpenAIReply(Reply):
     """Bodies and stream events in OpenAI's shapes, chat or plain completion."""
 
@@ -47,11 +43,14 @@ class OpenAIReply(Reply):
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
+    def _finish_reason(self, record: dict[str, Any]) -> str:
+        return "length" if self.ended_for_length(record, self.parsed.request.max_tokens) else "stop"
+
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.parsed.model}
 
     def body(self, text: str, record: dict[str, Any]) -> dict[str, Any]:
-        reason = _finish_reason(self.parsed, record)
+        reason = self._finish_reason(record)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -74,7 +73,7 @@ class OpenAIReply(Reply):
         return self._chunk({"index": 0, "text": text, "finish_reason": None, "logprobs": None})
 
     def closing(self, record: dict[str, Any]) -> bytes:
-        reason = _finish_reason(self.parsed, record)
+        reason = self._finish_reason(record)
         end = self._chunk(
             {"index": 0, "delta": {}, "finish_reason": reason}
             if self.chat

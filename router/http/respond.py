@@ -26,6 +26,18 @@ _log = structlog.get_logger("kvledger.respond")
 class Reply(ABC):
     """A front's response shapes."""
 
+    # The serving replica's engine max_seq_len (0: not known): an answer whose prompt + output
+    # reached it was clamped by the executor (``LlmRequest::validate``), so it ended for length.
+    max_seq_len = 0
+
+    def ended_for_length(self, record: dict[str, Any], max_tokens: int) -> bool:
+        """The output stopped at ``max_tokens`` or at the engine's sequence limit."""
+        completion = int(record["completion_tokens"])
+        if completion >= max_tokens:
+            return True
+        limit = self.max_seq_len
+        return limit > 0 and int(record["prompt_tokens"]) + completion >= limit
+
     @abstractmethod
     def body(self, text: str, record: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -71,6 +83,7 @@ async def serve_json(
 ) -> web.Response:
     settings = app[SETTINGS]
     flight = await open_flight(app, parsed, principal)
+    reply.max_seq_len = flight.replica.engine_max_seq_len
     try:
         await _drain(flight, settings.limits.request_timeout_s)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -101,6 +114,7 @@ async def serve_stream(
 ) -> web.StreamResponse:
     settings = app[SETTINGS]
     flight = await open_flight(app, parsed, principal)
+    reply.max_seq_len = flight.replica.engine_max_seq_len
     response = web.StreamResponse()
     try:
         response.headers.update(flight.admission.headers(parsed.request.request_id))
