@@ -144,8 +144,22 @@ class ReplicaCounters:
 
     @property
     def proven_empty(self) -> bool:
-        """No request since the model was loaded, and the engine's gauge says no block in use."""
-        return self.ready and self.request_count == 0 and self.used_blocks == 0
+        """No request since the model was loaded and none in the engine now: the request
+        counter (Triton's, since the load) reads 0 and the engine holds no request.
+
+        The block gauge is no proof: ``used`` counts allocated blocks, and released blocks kept
+        for reuse count as free (``kvCacheManager.h``), so a warm idle replica reads ``used =
+        0``; after a load every gauge reads 0 until the first request. It only *disproves*: a
+        request counted nowhere yet (the C++ backend counts one at its final response) holds
+        blocks. A page without TensorRT-LLM's gauge (another engine, a wrong metrics URL)
+        proves nothing."""
+        return (
+            self.ready
+            and self.request_count == 0
+            and self.active == 0
+            and self.used_blocks is not None
+            and self.used_blocks == 0
+        )
 
 
 class Backend(Protocol):

@@ -156,6 +156,9 @@ class TritonBackend:
         self._constant = constant_inputs(target)
         self.control = TritonControl(target, self._client, http)
         self._stops: set[asyncio.Task[None]] = set()
+        # Stop requests sent to the engine model (continuity: a C++ backend does not count
+        # them in the request counter, a Python one does; router.eval.continuity).
+        self.stops_sent = 0
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
         inputs = build_inputs(self.target, request, self._constant)
@@ -206,6 +209,7 @@ class TritonBackend:
         """Ask the engine model to stop an abandoned request (see the module docstring)."""
         if self.target.engine_model == self.target.model:
             return  # the call's cancellation reaches the engine itself
+        self.stops_sent += 1
         task = asyncio.ensure_future(self._send_stop(request_id))
         self._stops.add(task)
         task.add_done_callback(self._stops.discard)
