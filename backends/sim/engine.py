@@ -40,6 +40,7 @@ __all__ = [
     "EngineError",
     "FinishReason",
     "GenerationResult",
+    "Progress",
     "SamplingParams",
 ]
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -75,6 +76,20 @@ class GenerationResult:
     @property
     def cum_log_prob(self) -> float:
         return float(np.float32(sum(self.log_probs)))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The running request's statistics so far, as the executor attaches them to each
+    streamed result (``LlmRequest::createResult``: the request's perf metrics)."""
+
+    reused_blocks: int
+    new_blocks: int
+    total_blocks: int
+    first_scheduled_time_ns: int
+    first_token_time_ns: int
+    last_token_time_ns: int
+    log_probs: list[float]
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,7 @@ class Engine:
             head_dim=config.d_model // config.n_heads,
         )
         self._lock = threading.Lock()
+        self._live: tuple[Session, _Run, int] | None = None  # the running request
         self._iterations = 0
         self._completed = 0
 
@@ -164,6 +180,7 @@ class Engine:
             session = self._cache.begin(tokens, expected)
             try:
                 run = _Run(self, session, params, on_token, is_cancelled)
+                self._live = (session, run, scheduled)
                 run.execute()
             except CapacityError as exc:
                 self._cache.finish(session, register=False)
@@ -171,6 +188,8 @@ class Engine:
             except BaseException:
                 self._cache.finish(session, register=False)
                 raise
+            finally:
+                self._live = None
             self._cache.finish(session, register=True)
             self._completed += 1
         end = time.time_ns()
@@ -188,6 +207,22 @@ class Engine:
             finish_reason=run.finish_reason,
             log_probs=run.log_probs,
             reused_tokens=session.reused_tokens,
+        )
+
+    def progress(self) -> Progress | None:
+        """The running request's statistics (None when none runs); for ``on_token``."""
+        live = self._live
+        if live is None:
+            return None
+        session, run, scheduled = live
+        return Progress(
+            reused_blocks=session.reused_blocks,
+            new_blocks=session.new_blocks,
+            total_blocks=session.reused_blocks + session.new_blocks,
+            first_scheduled_time_ns=scheduled,
+            first_token_time_ns=run.first_token_ns,
+            last_token_time_ns=run.last_token_ns,
+            log_probs=list(run.log_probs),
         )
 
     def _forward(
