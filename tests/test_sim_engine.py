@@ -247,3 +247,33 @@ def test_cancelled_prefill_stops_between_passes() -> None:
     assert engine.stats().iterations == 5
     again = engine.generate(prompt, SamplingParams(max_tokens=1))
     assert again.reused_blocks == 5 * 64 // 16
+
+
+def test_partial_reuse_claims_a_free_leaf_and_copies_a_block_in_use() -> None:
+    """kvCacheManager.cpp: a partially matched leaf nobody uses is claimed (it leaves the
+    cache), any other block is copied (the cache keeps it); either way it counts as reused.
+    A warm idle pool has no allocated blocks: used = 0, free = max."""
+    one = SamplingParams(max_tokens=1)
+    engine = Engine(EngineConfig(tokens_per_block=4))
+    engine.generate("aaaabbbbccccX", one)  # caches aaaa, bbbb, cccc
+    assert engine.stats().used_blocks == 0 and engine.stats().free_blocks == 8192
+    claimed = engine.generate("aaaabbbbccZZ", one)  # cccc is a free leaf: claimed
+    assert (claimed.reused_blocks, claimed.reused_tokens) == (3, 10)
+    # "ccZZ" is now cached in its place (the claimed block, refilled): cccc is gone.
+    assert engine.generate("aaaabbbbccccY", one).reused_tokens == 10
+    copied = engine.generate("aaaabbZZ", one)  # bbbb has children: copied, kept
+    assert (copied.reused_blocks, copied.reused_tokens) == (2, 6)
+    assert engine.generate("aaaabbbbccccY", one).reused_tokens == 12
+    off = Engine(EngineConfig(tokens_per_block=4, partial_reuse=False))
+    off.generate("aaaabbbbccccX", one)
+    assert off.generate("aaaabbbbccZZ", one).reused_blocks == 2
+
+
+def test_log_probs_are_the_models_log_softmax() -> None:
+    """Greedy picks the most probable token: each log prob is the max of log softmax; the
+    cumulative log prob is their sum."""
+    engine = Engine(EngineConfig())
+    result = engine.generate(PROMPT, SamplingParams(max_tokens=5))
+    assert len(result.log_probs) == len(result.output_tokens) == 5
+    assert all(-20 < lp < 0 for lp in result.log_probs)
+    assert abs(result.cum_log_prob - sum(result.log_probs)) < 1e-4
