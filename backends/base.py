@@ -58,6 +58,13 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()
+    # Inputs the served model declares that kvledger does not interpret, passed through as the
+    # client sent them (the Triton fronts validate their types first): (name, Triton datatype
+    # such as "BOOL" or "INT32", value: a scalar or a flat list).
+    extra: tuple[tuple[str, str, Any], ...] = ()
+    # Answer with each engine response's outputs (``Chunk.outputs``): the Triton fronts pass
+    # Triton's protocol through, one event per engine response.
+    raw: bool = False
 
     @classmethod
     def from_sampling(
@@ -74,11 +81,13 @@ class GenerationRequest:
             seed=params.get("seed"),
             stop=tuple(params.get("stop") or ()),
             bad_words=tuple(params.get("bad_words") or ()),
+            extra=tuple((n, t, v) for n, (t, v) in (params.get("inputs") or {}).items()),
         )
 
     def sampling(self) -> dict[str, object]:
-        """The parameters that decide the output, for digests and snapshots."""
-        return {
+        """The parameters that decide the output, for digests and snapshots (passed-through
+        inputs under ``inputs``, only when there are any: other digests stay as they were)."""
+        sampling: dict[str, object] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_k": self.top_k,
@@ -87,6 +96,9 @@ class GenerationRequest:
             "stop": list(self.stop),
             "bad_words": list(self.bad_words),
         }
+        if self.extra:
+            sampling["inputs"] = {name: [kind, value] for name, kind, value in self.extra}
+        return sampling
 
 
 @dataclass(slots=True)
@@ -110,6 +122,7 @@ class Chunk:
     text: str
     final: bool = False
     stats: EngineStats | None = None
+    outputs: dict[str, Any] | None = None  # one engine response's outputs (``raw`` requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +133,9 @@ class EngineFacts:
     max_seq_len: int | None = None  # prompt + output past it: output clamped, not refused
     tokens_per_block: int | None = None  # plugin_config.tokens_per_block (not a gauge: 0 at load)
     rule: str = ""  # which of trtGptModel.h's cases set ``prompt_limit``
+    # The served model's declared inputs, name -> Triton data type ("TYPE_BOOL", ...): what
+    # the Triton fronts may pass through.
+    model_inputs: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

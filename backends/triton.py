@@ -95,7 +95,38 @@ def build_inputs(
     for name, words in (("stop_words", request.stop), ("bad_words", request.bad_words)):
         if words:
             inputs.append(_tensor(name, [w.encode() for w in words], np.object_, "BYTES"))
+    for name, kind, value in request.extra:  # passed through, types checked by the front
+        if kind == "BYTES":
+            value = [v.encode() for v in value] if isinstance(value, list) else value.encode()
+        inputs.append(_tensor(name, value, _NUMPY.get(kind, np.object_), kind))
     return inputs
+
+
+_NUMPY: dict[str, Any] = {
+    "BOOL": np.bool_,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
+
+
+def jsonable(outputs: Mapping[str, Any]) -> dict[str, Any]:
+    """A tritonclient response's outputs as Triton's HTTP generate answers them: each tensor
+    flattened, one element as a scalar, bytes as text."""
+    found: dict[str, Any] = {}
+    for name, value in outputs.items():
+        items = np.asarray(value).reshape(-1).tolist()
+        items = [i.decode(errors="replace") if isinstance(i, bytes) else i for i in items]
+        found[name] = items[0] if len(items) == 1 else items
+    return found
 
 
 def parse_stats(outputs: Mapping[str, Any], base: EngineStats | None = None) -> EngineStats | None:
@@ -176,7 +207,8 @@ class TritonBackend:
                 finished = final
                 if final:
                     done.set()  # our side of the stream may close now (see _open)
-                yield Chunk(text, final, stats if final else None)
+                raw = jsonable(outputs) if request.raw and outputs else None
+                yield Chunk(text, final, stats if final else None, raw)
                 if final:
                     return
             failed = True

@@ -91,6 +91,8 @@ def request_body(target: TritonTarget, request: GenerationRequest) -> bytes:
         body["stop_words"] = list(request.stop)
     if request.bad_words:
         body["bad_words"] = list(request.bad_words)
+    for name, _, value in request.extra:  # passed through, types checked by the front
+        body[name] = value
     return orjson.dumps(body)
 
 
@@ -146,7 +148,8 @@ class TritonHttpBackend(TritonBackend):
             self._pool.release(response, connection)
             released = True
             text = outputs.get("text_output")
-            yield Chunk(str(text) if text else "", True, parse_stats(outputs))
+            passed = outputs if request.raw else None
+            yield Chunk(str(text) if text else "", True, parse_stats(outputs), passed)
         except WireError as exc:  # the answer had begun: the request reached the engine
             failed = True
             raise BackendFailed(self.replica_id, str(exc)) from exc
@@ -194,6 +197,10 @@ class TritonHttpBackend(TritonBackend):
                         stats = parse_stats(event, stats)
                     text = "".join(str(t) for e in events if (t := e.get("text_output")))
                     produced = produced or bool(text)
+                    if request.raw:  # one chunk per engine response, its outputs as they came
+                        for event in events:
+                            yield Chunk(str(event.get("text_output") or ""), False, None, event)
+                        text = ""
                 if response.complete:  # read() gave the data that ends the body
                     if buffer.strip():
                         raise BackendFailed(self.replica_id, "the stream ended inside an event")

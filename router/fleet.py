@@ -54,6 +54,9 @@ class ReplicaState:
     # From the engine's own files (backends.engine_limits), as the runtime computes them.
     engine_max_input_len: int = 0  # the prompt limit (0: not known)
     engine_max_seq_len: int = 0  # past it the output is clamped (0: not known)
+    # The served model's declared inputs (name -> Triton data type): the Triton fronts pass
+    # through those kvledger does not interpret, after checking their types against these.
+    model_inputs: dict[str, str] = field(default_factory=dict)
     counters: ReplicaCounters | None = None
     served: int = 0
     reused_blocks: int = 0

@@ -134,6 +134,7 @@ class Monitor:
         replica.engine_max_input_len = facts.prompt_limit or 0
         replica.engine_max_seq_len = facts.max_seq_len or 0
         replica.tokens_per_block = facts.tokens_per_block or replica.settings.tokens_per_block
+        replica.model_inputs = dict(facts.model_inputs)
         empty = counters.proven_empty
         count = counters.request_count
         head = await self.ledger.ensure_replica(

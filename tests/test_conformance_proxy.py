@@ -42,7 +42,7 @@ class Stack:
             retries=False,
         )
         data = response.data
-        if body.get("stream"):
+        if body.get("stream") or path.endswith("_stream"):
             events = [
                 orjson.loads(line[5:])
                 for line in data.splitlines()
@@ -167,3 +167,42 @@ def test_cached_tokens_use_the_engines_block_size_and_never_reach_the_prompt(
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached == min(record["reused_blocks"] * 8, usage["prompt_tokens"] - 1)
     assert cached <= usage["prompt_tokens"] - 1
+
+
+def test_generate_stream_passes_each_engine_response_through(stack: Stack) -> None:
+    """generate_stream answers one event per engine response, each with every output the
+    ensemble returned (log probs when asked: return_log_probs is passed on), then the ledger's
+    event; generate answers them in one body (fails on main: merged text events only, and
+    return_log_probs refused or dropped)."""
+    body = {"text_input": "pass it through", "max_tokens": 6, "return_log_probs": True}
+    status, events = stack.post(stack.checked, "/v2/models/ensemble/generate_stream", body)
+    assert status == 200, events
+    *engine, ledger = events
+    assert "kvledger" in ledger
+    completion = ledger["kvledger"]["completion_tokens"]
+    assert len(engine) == completion  # one event per token: one per engine response
+    assert all("output_log_probs" in e and "num_output_tokens" in e for e in engine), engine
+    assert sum(e["num_output_tokens"] for e in engine) == completion
+    status, whole = stack.post(stack.checked, "/v2/models/ensemble/generate", body)
+    assert status == 200, whole
+    assert "cum_log_probs" in whole and "output_log_probs" in whole and "kvledger" in whole
+
+
+@pytest.mark.parametrize(
+    ("extra", "complaint"),
+    [
+        ({"no_such_input": 1}, "is not an input of model"),
+        ({"return_log_probs": "yes"}, "must be a bool"),
+        ({"beam_width": 1.5}, "must be a int32"),
+    ],
+)
+def test_generate_refuses_unknown_inputs_and_wrong_types(
+    stack: Stack, extra: dict[str, Any], complaint: str
+) -> None:
+    """An input the model does not declare, or one of the wrong type for its config, is a 400
+    naming it, before any replica."""
+    body = {"text_input": "typed", "max_tokens": 2, **extra}
+    status, answer = stack.post(stack.checked, "/v2/models/ensemble/generate", body)
+    assert status == 400, answer
+    assert complaint in answer["error"]["message"]
+    assert answer["error"]["param"] == next(iter(extra))

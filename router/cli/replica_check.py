@@ -282,6 +282,7 @@ class Checker:
         return self.add("stream stats", tokens > 0, saw, "return_num_output_tokens in the ensemble")
 
     async def metrics(self) -> bool:
+        await self.control.counters()  # as the proxy's monitor: picks the request counter
         page = await self.control.scrape()
         missing = []
         for family, label, values in GAUGES:

@@ -49,7 +49,9 @@ class OpenAIReply(Reply):
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.parsed.model}
 
-    def body(self, text: str, record: dict[str, Any]) -> dict[str, Any]:
+    def body(
+        self, text: str, record: dict[str, Any], outputs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         reason = self._finish_reason(record)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if self.chat:

@@ -39,7 +39,9 @@ class Reply(ABC):
         return limit > 0 and int(record["prompt_tokens"]) + completion >= limit
 
     @abstractmethod
-    def body(self, text: str, record: dict[str, Any]) -> dict[str, Any]: ...
+    def body(
+        self, text: str, record: dict[str, Any], outputs: dict[str, Any] | None = None
+    ) -> dict[str, Any]: ...
 
     @abstractmethod
     def piece(self, text: str) -> bytes: ...
@@ -49,6 +51,12 @@ class Reply(ABC):
 
     @abstractmethod
     def error_event(self, error: dict[str, Any]) -> bytes: ...
+
+    def passed(self, outputs: dict[str, Any]) -> bytes:
+        """One engine response's outputs, for a request that passes Triton's protocol through
+        (the Triton fronts); a front that merges responses sends their text."""
+        text = outputs.get("text_output")
+        return self.piece(str(text)) if text else b""
 
     def prefix(self) -> bytes:
         """Bytes sent before the first piece (the Triton front's echoed prompt)."""
@@ -99,7 +107,7 @@ async def serve_json(
         raise
     record = await _end(flight, "ok")
     return web.Response(
-        body=orjson.dumps(reply.body(flight.text, record)),
+        body=orjson.dumps(reply.body(flight.text, record, flight.outputs)),
         content_type="application/json",
         headers=record_headers(record),
     )
@@ -124,7 +132,9 @@ async def serve_stream(
         await response.write(reply.prefix())
         async with asyncio.timeout(settings.limits.request_timeout_s):
             async for chunk in flight.chunks():
-                if chunk.text:
+                if chunk.outputs is not None:
+                    await response.write(reply.passed(chunk.outputs))
+                elif chunk.text:
                     await response.write(reply.piece(chunk.text))
     except (asyncio.CancelledError, ConnectionResetError) as exc:
         record = await _end(flight, "cancelled")
