@@ -58,6 +58,13 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()
+    # Inputs the served model declares that kvledger does not interpret, passed through as the
+    # client sent them (the Triton fronts validate their types first): (name, Triton datatype
+    # such as "BOOL" or "INT32", value: a scalar or a flat list).
+    extra: tuple[tuple[str, str, Any], ...] = ()
+    # Answer with each engine response's outputs (``Chunk.outputs``): the Triton fronts pass
+    # Triton's protocol through, one event per engine response.
+    raw: bool = False
 
     @classmethod
     def from_sampling(
@@ -74,11 +81,13 @@ class GenerationRequest:
             seed=params.get("seed"),
             stop=tuple(params.get("stop") or ()),
             bad_words=tuple(params.get("bad_words") or ()),
+            extra=tuple((n, t, v) for n, (t, v) in (params.get("inputs") or {}).items()),
         )
 
     def sampling(self) -> dict[str, object]:
-        """The parameters that decide the output, for digests and snapshots."""
-        return {
+        """The parameters that decide the output, for digests and snapshots (passed-through
+        inputs under ``inputs``, only when there are any: other digests stay as they were)."""
+        sampling: dict[str, object] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_k": self.top_k,
@@ -87,6 +96,9 @@ class GenerationRequest:
             "stop": list(self.stop),
             "bad_words": list(self.bad_words),
         }
+        if self.extra:
+            sampling["inputs"] = {name: [kind, value] for name, kind, value in self.extra}
+        return sampling
 
 
 @dataclass(slots=True)
@@ -110,6 +122,20 @@ class Chunk:
     text: str
     final: bool = False
     stats: EngineStats | None = None
+    outputs: dict[str, Any] | None = None  # one engine response's outputs (``raw`` requests)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the engine's own files say the runtime admits (``backends.engine_limits``)."""
+
+    prompt_limit: int | None = None  # the longest prompt the executor takes (trtGptModel.h)
+    max_seq_len: int | None = None  # prompt + output past it: output clamped, not refused
+    tokens_per_block: int | None = None  # plugin_config.tokens_per_block (not a gauge: 0 at load)
+    rule: str = ""  # which of trtGptModel.h's cases set ``prompt_limit``
+    # The served model's declared inputs, name -> Triton data type ("TYPE_BOOL", ...): what
+    # the Triton fronts may pass through.
+    model_inputs: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +160,22 @@ class ReplicaCounters:
 
     @property
     def proven_empty(self) -> bool:
-        """No request since the model was loaded, and the engine's gauge says no block in use."""
-        return self.ready and self.request_count == 0 and self.used_blocks == 0
+        """No request since the model was loaded and none in the engine now: the request
+        counter (Triton's, since the load) reads 0 and the engine holds no request.
+
+        The block gauge is no proof: ``used`` counts allocated blocks, and released blocks kept
+        for reuse count as free (``kvCacheManager.h``), so a warm idle replica reads ``used =
+        0``; after a load every gauge reads 0 until the first request. It only *disproves*: a
+        request counted nowhere yet (the C++ backend counts one at its final response) holds
+        blocks. A page without TensorRT-LLM's gauge (another engine, a wrong metrics URL)
+        proves nothing."""
+        return (
+            self.ready
+            and self.request_count == 0
+            and self.active == 0
+            and self.used_blocks is not None
+            and self.used_blocks == 0
+        )
 
 
 class Backend(Protocol):
@@ -171,6 +211,11 @@ class Backend(Protocol):
 
     async def max_input_len(self) -> int | None:
         """The longest prompt (in tokens) the engine admits, or None when it cannot be read."""
+        ...
+
+    async def engine_facts(self) -> EngineFacts:
+        """The runtime's prompt limit, sequence limit and block size, from the engine's files
+        and the engine model's parameters (unknown fields None)."""
         ...
 
     async def counters(self) -> ReplicaCounters:

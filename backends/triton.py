@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -38,13 +38,18 @@ from backends.base import (
     BackendRejected,
     BackendUnavailable,
     Chunk,
+    EngineFacts,
     EngineStats,
     GenerationRequest,
     ReplicaCounters,
 )
+from backends.engine_limits import is_prompt_refusal
 from backends.triton_control import TritonControl
 from backends.triton_grpc import Input, StreamCall, StreamChannel, infer_request
 from backends.triton_grpc import tensor as _tensor
+from backends.triton_target import TritonTarget
+
+__all__ = ["TritonBackend", "TritonTarget", "build_inputs", "parse_stats", "text_of"]
 
 _NUMBERS = (int, float)
 _STATS = {
@@ -57,22 +62,6 @@ _STATS = {
     "num_input_tokens": "input_tokens",
     "num_output_tokens": "output_tokens",
 }
-
-
-@dataclass(frozen=True)
-class TritonTarget:
-    """Where one replica listens and which TensorRT-LLM input names its version uses."""
-
-    replica_id: str
-    grpc: str
-    metrics: str
-    model: str = "ensemble"
-    seed_input: str = "seed"  # "random_seed" before TensorRT-LLM 0.20
-    perf_input: str = "return_perf_metrics"  # "return_kv_cache_reuse_stats" before 0.19
-    token_counts: bool = True  # return_num_{input,output}_tokens: ensembles of 0.16-0.19 lack them
-    timeout_s: float = 10.0
-    engine_model: str = "tensorrt_llm"  # the model every path to the KV cache goes through
-    engine_dir: str = ""  # its engine directory as this process reads it ("" = gpt_model_path)
 
 
 def constant_inputs(target: TritonTarget) -> tuple[Input, ...]:
@@ -106,13 +95,50 @@ def build_inputs(
     for name, words in (("stop_words", request.stop), ("bad_words", request.bad_words)):
         if words:
             inputs.append(_tensor(name, [w.encode() for w in words], np.object_, "BYTES"))
+    for name, kind, value in request.extra:  # passed through, types checked by the front
+        if kind == "BYTES":
+            value = [v.encode() for v in value] if isinstance(value, list) else value.encode()
+        inputs.append(_tensor(name, value, _NUMPY.get(kind, np.object_), kind))
     return inputs
+
+
+_NUMPY: dict[str, Any] = {
+    "BOOL": np.bool_,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
+
+
+def jsonable(outputs: Mapping[str, Any]) -> dict[str, Any]:
+    """A tritonclient response's outputs as Triton's HTTP generate answers them: each tensor
+    flattened, one element as a scalar, bytes as text."""
+    found: dict[str, Any] = {}
+    for name, value in outputs.items():
+        items = np.asarray(value).reshape(-1).tolist()
+        items = [i.decode(errors="replace") if isinstance(i, bytes) else i for i in items]
+        found[name] = items[0] if len(items) == 1 else items
+    return found
 
 
 def parse_stats(outputs: Mapping[str, Any], base: EngineStats | None = None) -> EngineStats | None:
     """TensorRT-LLM's per-request statistics in one response's outputs (output name -> numpy
     array, list or scalar, as tritonclient or a JSON body gives them), over ``base`` (what
-    earlier responses of the stream carried); None when neither has any."""
+    earlier responses of the stream carried); None when neither has any.
+
+    The request's statistics (blocks, token times, ``num_input_tokens``) are the same on every
+    response that carries them: the last one counts. ``num_output_tokens`` counts the tokens of
+    *that* response (``model_instance_state.cc``, ``fillTritonResponse``: ``outputTokensSize``
+    per response), so a stream's count is the sum over its responses; a flags-only final
+    response (the ensemble's extra end, ``ensemble_scheduler.cc``) adds nothing."""
     if outputs.keys().isdisjoint(_STATS):  # most responses of a stream carry a token only
         return base
     values: dict[str, int] = {}
@@ -128,7 +154,11 @@ def parse_stats(outputs: Mapping[str, Any], base: EngineStats | None = None) -> 
         )
     if not values:
         return base
-    return replace(base, **values) if base is not None else EngineStats(**values)
+    if base is None:
+        return EngineStats(**values)
+    if "output_tokens" in values:
+        values["output_tokens"] += base.output_tokens
+    return replace(base, **values)
 
 
 def text_of(outputs: Mapping[str, Any]) -> str:
@@ -157,6 +187,9 @@ class TritonBackend:
         self._constant = constant_inputs(target)
         self.control = TritonControl(target, self._client, http)
         self._stops: set[asyncio.Task[None]] = set()
+        # Stop requests sent to the engine model (continuity: a C++ backend does not count
+        # them in the request counter, a Python one does; router.eval.continuity).
+        self.stops_sent = 0
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
         inputs = build_inputs(self.target, request, self._constant)
@@ -174,7 +207,8 @@ class TritonBackend:
                 finished = final
                 if final:
                     done.set()  # our side of the stream may close now (see _open)
-                yield Chunk(text, final, stats if final else None)
+                raw = jsonable(outputs) if request.raw and outputs else None
+                yield Chunk(text, final, stats if final else None, raw)
                 if final:
                     return
             failed = True
@@ -207,6 +241,7 @@ class TritonBackend:
         """Ask the engine model to stop an abandoned request (see the module docstring)."""
         if self.target.engine_model == self.target.model:
             return  # the call's cancellation reaches the engine itself
+        self.stops_sent += 1
         task = asyncio.ensure_future(self._send_stop(request_id))
         self._stops.add(task)
         task.add_done_callback(self._stops.discard)
@@ -248,14 +283,15 @@ class TritonBackend:
     def _translate(self, error: InferenceServerException, produced: bool) -> Exception:
         message = error.message() or str(error)
         status = error.status() or ""
+        if is_prompt_refusal(message) and not produced:
+            # The executor refusing a prompt over its limit (INTERNAL on a GPU replica): the
+            # client's mistake, not the replica's (``llmRequest.cpp``, ``validate``).
+            return BackendRejected(self.replica_id, message)
         if "UNAVAILABLE" in status or "unavailable" in message.lower() or "not found" in message:
             kind: type[Exception] = BackendFailed if produced else BackendUnavailable
             return kind(self.replica_id, message)
-        if (
-            "exceeds maximum input length" in message
-            or "exceeds maximum sequence length" in message
-        ):
-            return BackendRejected(self.replica_id, message)  # TensorRT-LLM's admission check
+        if "exceeds maximum sequence length" in message and not produced:
+            return BackendRejected(self.replica_id, message)  # engines before the output clamp
         if produced or "internal" in message.lower():
             return BackendFailed(self.replica_id, message)
         return BackendRejected(self.replica_id, message)
@@ -277,6 +313,9 @@ class TritonBackend:
 
     async def max_input_len(self) -> int | None:
         return await self.control.max_input_len()
+
+    async def engine_facts(self) -> EngineFacts:
+        return await self.control.engine_facts()
 
     async def counters(self) -> ReplicaCounters:
         return await self.control.counters()

@@ -17,15 +17,20 @@ import aiohttp
 import orjson
 from tritonclient.utils import InferenceServerException
 
-from backends.base import BackendFailed, BackendUnavailable, ReplicaCounters
+from backends.base import BackendFailed, BackendUnavailable, EngineFacts, ReplicaCounters
 from backends.engine_dir import EngineDir, max_input_len
+from backends.engine_limits import engine_limits, tokens_per_block
+from backends.triton_target import TritonTarget
 
 if TYPE_CHECKING:
     import tritonclient.grpc.aio as grpcaio
 
-    from backends.triton import TritonTarget
-
 _KV = "nv_trt_llm_kv_cache_block_metrics"
+# The CPU stand-in's count of requests as TensorRT-LLM's C++ backend reports them to Triton's
+# statistics (once per request, at its final response; stop requests not at all): a Python
+# backend's own statistics count every execute (docs/stand-in.md). Read instead of Triton's
+# statistics when the replica's metrics page has it.
+SIM_REQUESTS = "kvledger_sim_backend_requests"
 
 
 def _without_paths(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,6 +89,7 @@ class TritonControl:
         self._engine = EngineDir(target.replica_id)
         self._gpt_model_path: str | None = None  # as the engine model's config last said
         self._last_count: int | None = None
+        self._sim_count = False  # the metrics page has SIM_REQUESTS: count with it
 
     async def ready(self) -> bool:
         try:
@@ -156,13 +162,28 @@ class TritonControl:
         return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     async def max_input_len(self) -> int | None:
-        """The engine's ``max_input_len`` (its config.json), or None when it cannot be read.
-        Cached until the engine is seen reloaded: cheap enough to ask per request."""
-        path = self.target.engine_dir or self._gpt_model_path
-        if path is None:
-            path = self._engine_path(await self._model_config(self.target.engine_model))
-        config = await self._engine.config(path)
-        return max_input_len(config) if config is not None else None
+        """The longest prompt the executor admits, or None when it cannot be read."""
+        return (await self.engine_facts()).prompt_limit
+
+    async def engine_facts(self) -> EngineFacts:
+        """The runtime's limits as TensorRT-LLM computes them (:mod:`backends.engine_limits`)
+        from the engine's config.json (cached until the engine is seen reloaded) and the engine
+        model's parameters (``enable_chunked_context``); the built ``max_input_len`` when the
+        config names no ``max_seq_len``."""
+        engine_config = await self._model_config(self.target.engine_model)
+        served = await self._model_config(self.target.model)
+        inputs = tuple(
+            (str(i.get("name")), str(i.get("data_type"))) for i in served.get("input") or ()
+        )
+        config = await self._engine.config(self._engine_path(engine_config))
+        if config is None:
+            return EngineFacts(model_inputs=inputs)
+        found = engine_limits(config, engine_config.get("parameters") or {})
+        block = tokens_per_block(config)
+        if found is None:
+            built = max_input_len(config)
+            return EngineFacts(built, None, block, "max_input_len (as built)", inputs)
+        return EngineFacts(found.max_input_len, found.max_seq_len, block, found.rule, inputs)
 
     def _engine_path(self, engine_config: Mapping[str, Any]) -> str:
         if self.target.engine_dir:
@@ -189,7 +210,10 @@ class TritonControl:
         return configs
 
     async def request_count(self) -> int:
-        """Triton's count of requests the engine model took since it was loaded."""
+        """The count of requests the engine model took since it was loaded, as the C++
+        backend reports it (Triton's statistics; on the stand-in, its SIM_REQUESTS family)."""
+        if self._sim_count:
+            return int(sample(await self.scrape(), SIM_REQUESTS, "outcome="))
         stats = await self._call(
             self._client.get_inference_statistics(self.target.engine_model, as_json=True)
         )
@@ -204,12 +228,16 @@ class TritonControl:
         if not await self.ready():
             self._last_count = None
             return ReplicaCounters(ready=False)
-        count = await self.request_count()
+        page = await self.scrape()
+        self._sim_count = self._sim_count or found_sample(page, SIM_REQUESTS, "") is not None
+        if self._sim_count:
+            count = int(sample(page, SIM_REQUESTS, "outcome="))
+        else:
+            count = await self.request_count()
         if self._last_count is None or count < self._last_count:
             # First sight, back from not ready, or reloaded: its engine files may be new.
             self._engine.stale()
         self._last_count = count
-        page = await self.scrape()
         return ReplicaCounters(
             ready=True,
             request_count=count,

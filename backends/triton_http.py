@@ -62,6 +62,7 @@ from backends.base import (
     EngineStats,
     GenerationRequest,
 )
+from backends.engine_limits import is_prompt_refusal
 from backends.triton import TritonBackend, TritonTarget, parse_stats
 from backends.triton_http_wire import Connection, Pool, Response, WireError
 
@@ -90,17 +91,12 @@ def request_body(target: TritonTarget, request: GenerationRequest) -> bytes:
         body["stop_words"] = list(request.stop)
     if request.bad_words:
         body["bad_words"] = list(request.bad_words)
+    for name, _, value in request.extra:  # passed through, types checked by the front
+        body[name] = value
     return orjson.dumps(body)
 
 
 _has_error = operator.methodcaller("__contains__", "error")
-
-
-def _merged(events: list[dict[str, Any]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for outputs in events:
-        merged.update(outputs)
-    return merged
 
 
 def _error_message(raw: bytes) -> str:
@@ -152,7 +148,8 @@ class TritonHttpBackend(TritonBackend):
             self._pool.release(response, connection)
             released = True
             text = outputs.get("text_output")
-            yield Chunk(str(text) if text else "", True, parse_stats(outputs))
+            passed = outputs if request.raw else None
+            yield Chunk(str(text) if text else "", True, parse_stats(outputs), passed)
         except WireError as exc:  # the answer had begun: the request reached the engine
             failed = True
             raise BackendFailed(self.replica_id, str(exc)) from exc
@@ -196,10 +193,14 @@ class TritonHttpBackend(TritonBackend):
                 text = ""
                 if end >= 0:
                     events = self._events(data[:end], produced)
-                    # Per output, the last event that has it counts (as parse_stats does).
-                    stats = parse_stats(events[0] if len(events) == 1 else _merged(events), stats)
+                    for event in events:  # each event's num_output_tokens adds (parse_stats)
+                        stats = parse_stats(event, stats)
                     text = "".join(str(t) for e in events if (t := e.get("text_output")))
                     produced = produced or bool(text)
+                    if request.raw:  # one chunk per engine response, its outputs as they came
+                        for event in events:
+                            yield Chunk(str(event.get("text_output") or ""), False, None, event)
+                        text = ""
                 if response.complete:  # read() gave the data that ends the body
                     if buffer.strip():
                         raise BackendFailed(self.replica_id, "the stream ended inside an event")
@@ -269,7 +270,11 @@ class TritonHttpBackend(TritonBackend):
         return self._classify(_error_message(raw), status)
 
     def _classify(self, message: str, status: int) -> BackendError:
-        """Nothing was streamed: which error this is, by status and message as gRPC's are."""
+        """Nothing was streamed: which error this is, by status and message as gRPC's are.
+        The executor's refusal of a prompt over its limit comes as INTERNAL (HTTP 500) from a
+        GPU replica; it is the client's mistake, recognised by its message."""
+        if is_prompt_refusal(message):
+            return BackendRejected(self.replica_id, message)
         lowered = message.lower()
         if status in (404, 502, 503, 504) or "unavailable" in lowered or "not found" in lowered:
             return BackendUnavailable(self.replica_id, message)

@@ -51,7 +51,12 @@ class ReplicaState:
     in_flight: int = 0
     generation: int = 0
     engine_digest: str = ""
-    engine_max_input_len: int = 0  # from the engine's own config (0: not known)
+    # From the engine's own files (backends.engine_limits), as the runtime computes them.
+    engine_max_input_len: int = 0  # the prompt limit (0: not known)
+    engine_max_seq_len: int = 0  # past it the output is clamped (0: not known)
+    # The served model's declared inputs (name -> Triton data type): the Triton fronts pass
+    # through those kvledger does not interpret, after checking their types against these.
+    model_inputs: dict[str, str] = field(default_factory=dict)
     counters: ReplicaCounters | None = None
     served: int = 0
     reused_blocks: int = 0
@@ -67,10 +72,14 @@ class ReplicaState:
     # From ``settings`` (read on every request: attributes, not properties).
     id: str = field(init=False)
     production: bool = field(init=False)  # in the production pool; else eval leases only
+    # The KV-cache block size: the engine's config.json once the monitor read it, the config's
+    # until then (never a metrics gauge: those read 0 after a load until the first request).
+    tokens_per_block: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.id = self.settings.id
         self.production = self.settings.pool == "production"
+        self.tokens_per_block = self.settings.tokens_per_block
 
     @property
     def paused(self) -> bool:

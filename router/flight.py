@@ -60,6 +60,7 @@ class Flight:
     finished: bool = False
     pieces: list[str] = field(default_factory=list)
     stats: EngineStats | None = None
+    outputs: dict[str, Any] | None = None  # the last engine response's outputs (raw requests)
     context: Any = None  # the eval dispatcher's turn
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -81,6 +82,8 @@ class Flight:
         self.pieces.append(chunk.text)
         if chunk.stats is not None:
             self.stats = chunk.stats
+        if chunk.outputs is not None:
+            self.outputs = chunk.outputs
         return chunk.final
 
     async def _next(self) -> Chunk:
@@ -116,7 +119,7 @@ class Flight:
             principal,
             decision.policy,
             decision.reason,
-            replica.settings.tokens_per_block,
+            replica.tokens_per_block,
             admission,
         )
 

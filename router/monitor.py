@@ -130,7 +130,11 @@ class Monitor:
         and the engine's used-blocks gauge both read 0); otherwise its state is unknown.
         """
         digest = await replica.backend.engine_digest()
-        replica.engine_max_input_len = await replica.backend.max_input_len() or 0
+        facts = await replica.backend.engine_facts()
+        replica.engine_max_input_len = facts.prompt_limit or 0
+        replica.engine_max_seq_len = facts.max_seq_len or 0
+        replica.tokens_per_block = facts.tokens_per_block or replica.settings.tokens_per_block
+        replica.model_inputs = dict(facts.model_inputs)
         empty = counters.proven_empty
         count = counters.request_count
         head = await self.ledger.ensure_replica(

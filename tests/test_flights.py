@@ -15,7 +15,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from backends.base import Backend, Chunk, GenerationRequest, ReplicaCounters
+from backends.base import Backend, Chunk, EngineFacts, GenerationRequest, ReplicaCounters
 from router.http.app import create_app
 from router.http.context import FLEET
 from router.ledger.keys import KeyStore, Profile
@@ -48,6 +48,9 @@ class Broken:
 
     async def max_input_len(self) -> int | None:
         return None
+
+    async def engine_facts(self) -> EngineFacts:
+        return EngineFacts()
 
     async def counters(self) -> ReplicaCounters:
         return ReplicaCounters(ready=True, request_count=1)

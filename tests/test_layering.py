@@ -145,3 +145,95 @@ def test_allowed_imports_pass() -> None:
     assert violations(Path("router/eval/runs.py"), "from router.ledger import Ledger\n") == []
     doc = '"""Keys like ``kvl:lineage`` may be named in docs."""\n'
     assert violations(Path("router/monitor.py"), doc) == []
+
+
+def module_name(rel: Path) -> str:
+    return ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+
+
+def project_imports(rel: Path, source: str, modules: set[str]) -> set[str]:
+    """The project modules a file imports (under TYPE_CHECKING and inside functions too):
+    each imported name resolved to the deepest module it names, relative imports included.
+    ``from package import module`` depends on that module, not on the package's __init__."""
+    tree = ast.parse(source, str(rel))
+    here = module_name(rel).split(".")
+    package = here if rel.name == "__init__.py" else here[:-1]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                names.add(full if full in modules else base)
+    found: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        if parts:
+            found.add(".".join(parts))
+    found.discard(module_name(rel))
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def project_graph(files: dict[Path, str]) -> dict[str, set[str]]:
+    modules = {module_name(rel) for rel in files}
+    return {module_name(rel): project_imports(rel, src, modules) for rel, src in files.items()}
+
+
+def test_no_import_cycle() -> None:
+    """No two project modules import each other, directly or through others, not even for
+    type checking only: a circle makes the import order matter and hides a missing layer."""
+    files = {path.relative_to(ROOT): path.read_text() for path in sources()}
+    assert import_cycles(project_graph(files)) == []
+
+
+def test_an_import_cycle_is_reported() -> None:
+    """A circle through a TYPE_CHECKING import, or a relative one, is found."""
+    files = {
+        Path("backends/a.py"): "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from backends.b import B\n",
+        Path("backends/b.py"): "from .a import A\n",
+        Path("backends/c.py"): "from backends import a\n",
+    }
+    assert import_cycles(project_graph(files)) == [["backends.a", "backends.b"]]

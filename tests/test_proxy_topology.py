@@ -118,26 +118,30 @@ def test_record_equals_what_the_engine_reported(
     assert record["reused_blocks"] == stats["kv_cache_reused_blocks"]
     assert record["new_blocks"] == stats["kv_cache_alloc_new_blocks"]
     assert record["total_blocks"] == stats["kv_cache_alloc_total_blocks"]
-    assert record["cached_tokens"] == stats["kv_cache_reused_blocks"] * 16
+    # An estimate from blocks, never the whole prompt (the engine computes its last token).
+    cached = min(stats["kv_cache_reused_blocks"] * 16, stats["num_input_tokens"] - 1)
+    assert record["cached_tokens"] == cached
     assert record["prompt_tokens"] == stats["num_input_tokens"]
-    assert record["completion_tokens"] == stats["num_output_tokens"]
-    engine_finish = "length" if stats["num_output_tokens"] == MAX_TOKENS else "stop"
+    # num_output_tokens counts each response's tokens: the request's are every token it sent.
+    assert record["completion_tokens"] == len(direct.ids)
+    engine_finish = "length" if len(direct.ids) == MAX_TOKENS else "stop"
     assert served["finish"] == engine_finish
     if not stream:
         usage = served["usage"]
         assert usage["prompt_tokens"] == stats["num_input_tokens"]
-        assert usage["completion_tokens"] == stats["num_output_tokens"]
+        assert usage["completion_tokens"] == len(direct.ids)
         assert usage["prompt_tokens_details"]["cached_tokens"] == record["cached_tokens"]
 
 
 def test_prompt_over_max_input_len_is_a_client_error(
     stack: tuple[Proxy, str, LedgerView], replicas: dict[str, Replica]
 ) -> None:
-    """A prompt longer than the engine's max_input_len (read from the engine's own config):
-    400 naming the limit, answered by the proxy before any replica computes anything."""
+    """A prompt longer than the runtime's limit (from the engine's own config and the
+    tensorrt_llm parameters: chunked context, so max_seq_len - 1 = 36863): 400 naming the
+    limit, answered by the proxy before any replica computes anything."""
     proxy, key, _ = stack
     counts = [request_count(replicas[r]) for r in ("r1", "r2")]
-    body = {"model": "ensemble", "prompt": "z" * 32769, "max_tokens": 2}
+    body = {"model": "ensemble", "prompt": "z" * 36864, "max_tokens": 2}
     response = HTTP.request(
         "POST",
         proxy.url + "/v1/completions",
@@ -147,7 +151,7 @@ def test_prompt_over_max_input_len_is_a_client_error(
     )
     assert response.status == 400, response.data
     error = orjson.loads(response.data)["error"]
-    assert error["code"] == "context_length_exceeded" and "32768 input tokens" in error["message"]
+    assert error["code"] == "context_length_exceeded" and "36863 input tokens" in error["message"]
     assert [request_count(replicas[r]) for r in ("r1", "r2")] == counts
 
 
@@ -196,7 +200,7 @@ async def test_engine_digest_sees_reuse_and_precision(
     off, _ = await digest_and_limit(replicas["r3"])
     assert r1 == r2
     assert len({r1, off, int4}) == 3
-    assert limit == 32768
+    assert limit == 36863  # chunked context: max_seq_len (32768 + 4096) - 1 (trtGptModel.h)
     # An engine directory the proxy cannot read: no limit, and a digest all the same.
     unread, none = await digest_and_limit(replicas["r1"], engine_dir=str(tmp_path / "absent"))
     assert none is None and unread != r1

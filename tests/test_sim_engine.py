@@ -94,11 +94,14 @@ def test_shared_prefix_reuses_blocks_and_reuse_off_does_not() -> None:
 
 
 def test_reuse_always_recomputes_the_last_prompt_token() -> None:
-    """A prompt of exactly k full blocks reuses at most k - 1 of them."""
-    engine = Engine(EngineConfig(tokens_per_block=4))
+    """A prompt of exactly k full blocks reuses k - 1 of them whole and, with partial reuse
+    (on by default, as in TensorRT-LLM), all but the last token of the k-th."""
     prompt = "abcdefghijkl"  # three full blocks
-    engine.generate(prompt, SamplingParams(max_tokens=1))
-    assert engine.generate(prompt, SamplingParams(max_tokens=1)).reused_blocks == 2
+    for partial, blocks, tokens in ((False, 2, 8), (True, 3, 11)):
+        engine = Engine(EngineConfig(tokens_per_block=4, partial_reuse=partial))
+        engine.generate(prompt, SamplingParams(max_tokens=1))
+        again = engine.generate(prompt, SamplingParams(max_tokens=1))
+        assert (again.reused_blocks, again.reused_tokens) == (blocks, tokens)
 
 
 def test_lru_evicts_least_recently_used_leaf() -> None:
@@ -211,7 +214,8 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
 
 
 def test_streaming_and_cancellation() -> None:
-    """on_token streams every emitted token; a cancelled request still caches its blocks."""
+    """on_token streams every emitted token but the last (the caller sends that one with the
+    final response); a cancelled request still caches its blocks."""
     engine = Engine(EngineConfig(tokens_per_block=4))
     seen: list[tuple[int, str]] = []
     result = engine.generate(
@@ -220,12 +224,11 @@ def test_streaming_and_cancellation() -> None:
         on_token=lambda tok, piece: seen.append((tok, piece)),
         is_cancelled=lambda: len(seen) >= 9,
     )
-    assert result.finish_reason == "cancelled" and len(result.output_tokens) == 9
-    assert [t for t, _ in seen] == result.output_tokens and "".join(
-        p for _, p in seen
-    ) == result.text
+    assert result.finish_reason == "cancelled" and len(result.output_tokens) == 10
+    assert [t for t, _ in seen] == result.output_tokens[:-1]
+    assert "".join(p for _, p in seen) == result.text[:-1]
     again = engine.generate(PROMPT + result.text, SamplingParams(max_tokens=1))
-    assert again.reused_blocks == (len(PROMPT) + 8) // 4
+    assert again.reused_blocks == (len(PROMPT) + 9) // 4
     assert result.arrival_time_ns <= result.first_scheduled_time_ns <= result.first_token_time_ns
     assert result.first_token_time_ns <= result.last_token_time_ns
 
@@ -244,3 +247,33 @@ def test_cancelled_prefill_stops_between_passes() -> None:
     assert engine.stats().iterations == 5
     again = engine.generate(prompt, SamplingParams(max_tokens=1))
     assert again.reused_blocks == 5 * 64 // 16
+
+
+def test_partial_reuse_claims_a_free_leaf_and_copies_a_block_in_use() -> None:
+    """kvCacheManager.cpp: a partially matched leaf nobody uses is claimed (it leaves the
+    cache), any other block is copied (the cache keeps it); either way it counts as reused.
+    A warm idle pool has no allocated blocks: used = 0, free = max."""
+    one = SamplingParams(max_tokens=1)
+    engine = Engine(EngineConfig(tokens_per_block=4))
+    engine.generate("aaaabbbbccccX", one)  # caches aaaa, bbbb, cccc
+    assert engine.stats().used_blocks == 0 and engine.stats().free_blocks == 8192
+    claimed = engine.generate("aaaabbbbccZZ", one)  # cccc is a free leaf: claimed
+    assert (claimed.reused_blocks, claimed.reused_tokens) == (3, 10)
+    # "ccZZ" is now cached in its place (the claimed block, refilled): cccc is gone.
+    assert engine.generate("aaaabbbbccccY", one).reused_tokens == 10
+    copied = engine.generate("aaaabbZZ", one)  # bbbb has children: copied, kept
+    assert (copied.reused_blocks, copied.reused_tokens) == (2, 6)
+    assert engine.generate("aaaabbbbccccY", one).reused_tokens == 12
+    off = Engine(EngineConfig(tokens_per_block=4, partial_reuse=False))
+    off.generate("aaaabbbbccccX", one)
+    assert off.generate("aaaabbbbccZZ", one).reused_blocks == 2
+
+
+def test_log_probs_are_the_models_log_softmax() -> None:
+    """Greedy picks the most probable token: each log prob is the max of log softmax; the
+    cumulative log prob is their sum."""
+    engine = Engine(EngineConfig())
+    result = engine.generate(PROMPT, SamplingParams(max_tokens=5))
+    assert len(result.log_probs) == len(result.output_tokens) == 5
+    assert all(-20 < lp < 0 for lp in result.log_probs)
+    assert abs(result.cum_log_prob - sum(result.log_probs)) < 1e-4

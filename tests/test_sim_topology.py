@@ -11,6 +11,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from backends.engine_limits import engine_limits
 from backends.sim.engine_files import CONFIG_FILE, WEIGHTS_FILE, read_config
 from backends.sim.launcher import Replica, ReplicaSpec, launch, stop
 from backends.sim.repository import ENGINE_MODEL, MODEL_NAME
@@ -73,26 +74,38 @@ def test_engine_model_reports_what_the_ensemble_passes_on(replicas: dict[str, Re
         seen.append(send(r2, follow, 6, stream))
     texts = [g.text or bytes(g.ids).decode() for g in seen]
     assert len(set(texts)) == 1 and texts[0]
-    assert all(g.stats == seen[0].stats for g in seen), [g.stats for g in seen]
+    # The block statistics are the request's; num_output_tokens is per response (the last
+    # response's count here; tests/test_sim_backend_parity.py sums a stream's).
+    blocks = [{k: v for k, v in g.stats.items() if k != "num_output_tokens"} for g in seen]
+    assert all(b == blocks[0] for b in blocks), blocks
     assert seen[0].stats["kv_cache_reused_blocks"] >= len(SYSTEM) // 16 - 1
-    assert seen[0].stats["num_output_tokens"] == 6
-    # Straight from the engine, a stream ends with a flags-only response (the statistics came
-    # before it); the ensemble passes the final flag on with whichever step finished last.
-    assert not seen[3].final_has_outputs and seen[3].stats
+    assert seen[0].stats["num_output_tokens"] == seen[2].stats["num_output_tokens"] == 6
+    assert seen[1].stats["num_output_tokens"] == seen[3].stats["num_output_tokens"] == 1
+    # Straight from the engine, a stream's last token comes with the final flag (as the
+    # executor sends it), one response per token; through the ensemble too, one per token
+    # (whether its final flag rides on the last one or on a flags-only response is the
+    # ensemble scheduler's business: docs/stand-in.md).
+    assert seen[3].final_has_outputs and seen[3].responses == 6
+    assert seen[1].responses == 6
 
 
 def test_prompt_over_max_input_len_is_refused_at_admission(replicas: dict[str, Replica]) -> None:
-    """A prompt longer than the engine's max_input_len is refused before any work, with
-    TensorRT-LLM's message, and the replica goes on serving."""
+    """A prompt longer than the executor's limit (with chunked context, max_seq_len - 1, not
+    the built max_input_len: trtGptModel.h) is refused before any work with the executor's
+    message, and the replica goes on serving."""
     r1 = replicas["r1"]
-    limit = read_config(Path(r1.workdir) / "engine")["build_config"]["max_input_len"]
+    config = read_config(Path(r1.workdir) / "engine")
+    limits = engine_limits(config, {"enable_chunked_context": "true"})
+    assert limits is not None and limits.max_input_len == config["build_config"]["max_seq_len"] - 1
+    limit = limits.max_input_len
     before = metric(metrics(r1), "nv_trt_llm_general_metrics", general_type="iteration_counter")
     try:
         grpc_generate(r1, "x" * (limit + 1), max_tokens=2)
     except InferenceServerException as exc:
+        assert "Executor failed process requestId" in str(exc)
         assert f"Prompt length ({limit + 1}) exceeds maximum input length ({limit})" in str(exc)
     else:
-        raise AssertionError("the replica admitted a prompt over max_input_len")
+        raise AssertionError("the replica admitted a prompt over its limit")
     after = metric(metrics(r1), "nv_trt_llm_general_metrics", general_type="iteration_counter")
     assert after == before
     assert grpc_generate(r1, "still serving?", max_tokens=3).text

@@ -109,18 +109,22 @@ def test_reload_empties_cache_and_restarts_counters(replicas: dict[str, Replica]
 
 
 def test_metrics_follow_the_cache(replicas: dict[str, Replica]) -> None:
-    """The TensorRT-LLM metric families are published and move as the cache fills and is reused."""
+    """The TensorRT-LLM metric families read 0 after a load (max and tokens_per too) until the
+    first request, then follow the executor's statistics: an idle warm cache has used = 0 (its
+    reusable blocks are free), the reused counter and the iteration counter have moved."""
     r2 = replicas["r2"]
     reset(r2)
     before = metrics(r2)
-    assert metric(before, KV, kv_cache_block_type="tokens_per") == 16
-    assert metric(before, KV, kv_cache_block_type="used") == 0
+    for kind in ("max", "tokens_per", "used", "free", "reused"):
+        assert metric(before, KV, kv_cache_block_type=kind) == 0, kind
     grpc_generate(r2, SYSTEM + "One.", max_tokens=8)
     grpc_generate(r2, SYSTEM + "Two.", max_tokens=8)
     after = metrics(r2)
-    assert metric(after, KV, kv_cache_block_type="used") > 0
-    assert metric(after, KV, kv_cache_block_type="free") < metric(
-        before, KV, kv_cache_block_type="free"
+    assert metric(after, KV, kv_cache_block_type="tokens_per") == 16
+    assert metric(after, KV, kv_cache_block_type="max") > 0
+    assert metric(after, KV, kv_cache_block_type="used") == 0
+    assert metric(after, KV, kv_cache_block_type="free") == metric(
+        after, KV, kv_cache_block_type="max"
     )
     assert metric(after, KV, kv_cache_block_type="reused") > 0
     assert metric(after, "nv_trt_llm_general_metrics", general_type="iteration_counter") > 0

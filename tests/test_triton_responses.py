@@ -75,10 +75,10 @@ async def chunks(responses: list[InferResult]) -> tuple[list[Chunk], Replay]:
         [response(False, "a"), response(False, "b"), response(False, "", **STATS), response(True)],
         # One whose final flag came with the last step's outputs.
         [response(False, "a"), response(True, "b", **STATS)],
-        # Statistics early, more text after them (num_output_tokens updated on the way).
+        # Statistics early, more text after them (num_output_tokens per response: summed).
         [
             response(False, "a", **{**STATS, "num_output_tokens": 1}),
-            response(False, "b", num_output_tokens=2),
+            response(False, "b", num_output_tokens=1),
             response(True),
         ],
     ],

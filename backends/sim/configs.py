@@ -101,6 +101,8 @@ _ENGINE_SCALARS = (
     ("exclude_input_in_output", "b"),
     ("stop", "b"),
     ("streaming", "b"),
+    ("return_log_probs", "b"),
+    ("beam_width", "i"),
 )
 STATS_OUTPUTS = (
     ("kv_cache_alloc_new_blocks", "i"),
@@ -113,9 +115,22 @@ STATS_OUTPUTS = (
     ("num_input_tokens", "i"),
     ("num_output_tokens", "i"),
 )
+# Outputs of tensorrt_llm the real ensemble also returns: (name, kind, dims).
+EXTRA_OUTPUTS = (
+    ("output_log_probs", "f", "[ -1, -1 ]"),
+    ("cum_log_probs", "f", "[ -1 ]"),
+    ("sequence_index", "i", "[ 1 ]"),
+)
 
 
-def tensorrt_llm(engine_dir: str, reuse: bool, max_tokens_in_paged_kv_cache: int) -> str:
+def tensorrt_llm(
+    engine_dir: str,
+    reuse: bool,
+    max_tokens_in_paged_kv_cache: int,
+    *,
+    partial_reuse: bool = True,
+    chunked_context: bool = True,
+) -> str:
     inputs = (
         Tensor("input_ids", "i", "[ -1 ]", True, _RAGGED),
         Tensor("input_lengths", "i", extra=_SCALAR),
@@ -128,6 +143,7 @@ def tensorrt_llm(engine_dir: str, reuse: bool, max_tokens_in_paged_kv_cache: int
         Tensor("output_ids", "i", "[ -1, -1 ]"),
         Tensor("sequence_length", "i", "[ -1 ]"),
         *(Tensor(name, kind) for name, kind in STATS_OUTPUTS),
+        *(Tensor(name, kind, dims) for name, kind, dims in EXTRA_OUTPUTS),
     )
     params = {
         "max_beam_width": "1",
@@ -136,7 +152,10 @@ def tensorrt_llm(engine_dir: str, reuse: bool, max_tokens_in_paged_kv_cache: int
         "max_tokens_in_paged_kv_cache": str(max_tokens_in_paged_kv_cache),
         "batch_scheduler_policy": "guaranteed_no_evict",
         "enable_kv_cache_reuse": "true" if reuse else "false",
-        "enable_chunked_context": "true",
+        # KvCacheConfig::enablePartialReuse. TensorRT-LLM's Triton backend leaves it at its
+        # default (on) and reads no parameter for it; the stand-in takes one to switch it.
+        "enable_partial_reuse": "true" if partial_reuse else "false",
+        "enable_chunked_context": "true" if chunked_context else "false",
         "exclude_input_in_output": "false",
         "cancellation_check_period_ms": "50",
         "stats_check_period_ms": "100",
@@ -189,6 +208,8 @@ _ENSEMBLE_INPUTS = (
     ("return_num_input_tokens", "b", "[ 1 ]", True, "tensorrt_llm", "return_num_input_tokens"),
     ("return_num_output_tokens", "b", "[ 1 ]", True, "tensorrt_llm", "return_num_output_tokens"),
     ("stream", "b", "[ 1 ]", True, "tensorrt_llm", "streaming"),
+    ("return_log_probs", "b", "[ 1 ]", True, "tensorrt_llm", "return_log_probs"),
+    ("beam_width", "i", "[ 1 ]", True, "tensorrt_llm", "beam_width"),
 )
 # Tensors passed between steps: (producer, its output, ensemble tensor, consumer, its input).
 _WIRES = (
@@ -218,6 +239,7 @@ def _step(model: str) -> str:
             lines.append(f'output_map {{ key: "{output}" value: "{wire}" }}')
     if model == "tensorrt_llm":
         lines += [f'output_map {{ key: "{n}" value: "{n}" }}' for n, _ in STATS_OUTPUTS]
+        lines += [f'output_map {{ key: "{n}" value: "{n}" }}' for n, *_ in EXTRA_OUTPUTS]
     if model == "postprocessing":
         lines.append('output_map { key: "OUTPUT" value: "text_output" }')
     body = "\n      ".join(lines)
@@ -235,7 +257,11 @@ def ensemble() -> str:
     inputs = tuple(
         Tensor(name, kind, dims, optional) for name, kind, dims, optional, *_ in _ENSEMBLE_INPUTS
     )
-    outputs = (Tensor("text_output", "s", "[ -1 ]"), *(Tensor(n, k) for n, k in STATS_OUTPUTS))
+    outputs = (
+        Tensor("text_output", "s", "[ -1 ]"),
+        *(Tensor(n, k) for n, k in STATS_OUTPUTS),
+        *(Tensor(n, k, d) for n, k, d in EXTRA_OUTPUTS),
+    )
     steps = ",\n".join(_step(model) for model in STEPS)
     return (
         f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {MAX_BATCH}\n'

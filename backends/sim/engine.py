@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -40,6 +40,7 @@ __all__ = [
     "EngineError",
     "FinishReason",
     "GenerationResult",
+    "Progress",
     "SamplingParams",
 ]
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -58,7 +59,7 @@ class GenerationResult:
     prompt_tokens: int
     output_tokens: list[int]
     text: str
-    reused_blocks: int
+    reused_blocks: int  # fully and partially matched blocks, as kv_cache_reused_blocks counts
     new_blocks: int
     total_blocks: int
     arrival_time_ns: int
@@ -66,6 +67,29 @@ class GenerationResult:
     first_token_time_ns: int
     last_token_time_ns: int
     finish_reason: FinishReason
+    # log P(token) of each output token under the model's distribution (a log-softmax of the
+    # logits it was picked from, before sampling's temperature, top-k and top-p), in fp32 values
+    log_probs: list[float] = field(default_factory=list)
+    reused_tokens: int = 0  # prompt tokens whose K/V came from the cache (full + partial)
+    clamped_from: int | None = None  # requested output tokens, when over max_seq_len
+
+    @property
+    def cum_log_prob(self) -> float:
+        return float(np.float32(sum(self.log_probs)))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The running request's statistics so far, as the executor attaches them to each
+    streamed result (``LlmRequest::createResult``: the request's perf metrics)."""
+
+    reused_blocks: int
+    new_blocks: int
+    total_blocks: int
+    first_scheduled_time_ns: int
+    first_token_time_ns: int
+    last_token_time_ns: int
+    log_probs: list[float]
 
 
 @dataclass(frozen=True)
@@ -103,11 +127,13 @@ class Engine:
             capacity_blocks=config.capacity_blocks,
             tokens_per_block=config.tokens_per_block,
             reuse=config.reuse,
+            partial_reuse=config.partial_reuse,
             layers=config.n_layers,
             heads=config.n_heads,
             head_dim=config.d_model // config.n_heads,
         )
         self._lock = threading.Lock()
+        self._live: tuple[Session, _Run, int] | None = None  # the running request
         self._iterations = 0
         self._completed = 0
 
@@ -138,7 +164,9 @@ class Engine:
         arrival_time_ns: int | None = None,
     ) -> GenerationResult:
         """Generate a completion of a text or of token ids; `on_token(id, text)` streams each
-        emitted token. `is_cancelled` is asked between prefill chunks and between tokens."""
+        emitted token but the last (which the caller sends with its final response: the output
+        tokens after those streamed). `is_cancelled` is asked between prefill chunks and between
+        tokens."""
         arrival = time.time_ns() if arrival_time_ns is None else arrival_time_ns
         validate_params(params)
         tokens = encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -152,6 +180,7 @@ class Engine:
             session = self._cache.begin(tokens, expected)
             try:
                 run = _Run(self, session, params, on_token, is_cancelled)
+                self._live = (session, run, scheduled)
                 run.execute()
             except CapacityError as exc:
                 self._cache.finish(session, register=False)
@@ -159,6 +188,8 @@ class Engine:
             except BaseException:
                 self._cache.finish(session, register=False)
                 raise
+            finally:
+                self._live = None
             self._cache.finish(session, register=True)
             self._completed += 1
         end = time.time_ns()
@@ -166,14 +197,32 @@ class Engine:
             prompt_tokens=len(tokens),
             output_tokens=run.output,
             text=run.text,
-            reused_blocks=len(session.reused),
+            reused_blocks=session.reused_blocks,
             new_blocks=session.new_blocks,
-            total_blocks=len(session.reused) + session.new_blocks,
+            total_blocks=session.reused_blocks + session.new_blocks,
             arrival_time_ns=arrival,
             first_scheduled_time_ns=scheduled,
             first_token_time_ns=run.first_token_ns or end,
             last_token_time_ns=run.last_token_ns or end,
             finish_reason=run.finish_reason,
+            log_probs=run.log_probs,
+            reused_tokens=session.reused_tokens,
+        )
+
+    def progress(self) -> Progress | None:
+        """The running request's statistics (None when none runs); for ``on_token``."""
+        live = self._live
+        if live is None:
+            return None
+        session, run, scheduled = live
+        return Progress(
+            reused_blocks=session.reused_blocks,
+            new_blocks=session.new_blocks,
+            total_blocks=session.reused_blocks + session.new_blocks,
+            first_scheduled_time_ns=scheduled,
+            first_token_time_ns=run.first_token_ns,
+            last_token_time_ns=run.last_token_ns,
+            log_probs=list(run.log_probs),
         )
 
     def _forward(
@@ -210,6 +259,7 @@ class _Run:
         self.on_token = on_token
         self.is_cancelled = is_cancelled or (lambda: False)
         self.output: list[int] = []
+        self.log_probs: list[float] = []
         self.text = ""
         self.first_token_ns = 0
         self.last_token_ns = 0
@@ -233,7 +283,7 @@ class _Run:
             if token == self.params.end_id:
                 self.finish_reason = "stop"
                 return
-            self._emit(token)
+            text = self._emit(token, _log_prob(logits, token))
             if any(self.text.endswith(w) for w in self.params.stop_words):
                 self.finish_reason = "stop"
                 return
@@ -242,6 +292,10 @@ class _Run:
             if self.is_cancelled():
                 self.finish_reason = "cancelled"
                 return
+            # Not the last token: stream it now. The last one is left to the caller to send
+            # with the request's final response, as TensorRT-LLM's executor does.
+            if self.on_token is not None:
+                self.on_token(token, text)
             self.session.tokens.append(token)
             pos = self.session.computed
             logits = self.engine._forward(self.session, pos, pos + 1, decode=True)
@@ -273,11 +327,18 @@ class _Run:
             if self.is_cancelled():
                 raise _Abandoned
 
-    def _emit(self, token: int) -> None:
+    def _emit(self, token: int, log_prob: float) -> str:
         text = piece(token)
         self.output.append(token)
+        self.log_probs.append(log_prob)
         self.text += text
         self.last_token_ns = time.time_ns()
         self.first_token_ns = self.first_token_ns or self.last_token_ns
-        if self.on_token is not None:
-            self.on_token(token, text)
+        return text
+
+
+def _log_prob(logits: F64, token: int) -> float:
+    """log softmax(logits)[token], computed in float64 and stored as fp32 (as a GPU returns it)."""
+    top = float(np.max(logits))
+    lse = top + float(np.log(np.sum(np.exp(logits - top))))
+    return float(np.float32(logits[token] - lse))

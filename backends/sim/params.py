@@ -28,6 +28,7 @@ class EngineConfig:
     tokens_per_block: int = 16
     capacity_blocks: int = 8192
     reuse: bool = True
+    partial_reuse: bool = True  # KvCacheConfig::enablePartialReuse, on by default
     float_format: Literal["bf16", "fp16", "fp32"] = "bf16"
     weight_bits: Literal[16, 4] = 16
     weight_seed: int = 0

@@ -43,6 +43,9 @@ class ModelSettings:
     precision: Precision = "bf16"
     weight_seed: int = 0
     max_input_len: int = 32768
+    max_seq_len: int = 0  # 0: max_input_len + 4096
+    partial_reuse: bool = True  # KvCacheConfig::enablePartialReuse, on by default
+    chunked_context: bool = True  # the prompt limit is then max_seq_len - 1 (trtGptModel.h)
 
     def engine_build(self) -> EngineBuild:
         return EngineBuild(
@@ -50,7 +53,7 @@ class ModelSettings:
             weight_seed=self.weight_seed,
             tokens_per_block=self.tokens_per_block,
             max_input_len=self.max_input_len,
-            max_seq_len=self.max_input_len + 4096,
+            max_seq_len=self.max_seq_len or self.max_input_len + 4096,
         )
 
 
@@ -75,7 +78,11 @@ def write_repository(root: Path, settings: ModelSettings) -> Path:
         "ensemble": configs.ensemble(),
         "preprocessing": configs.preprocessing(str(tokenizer.resolve())),
         "tensorrt_llm": configs.tensorrt_llm(
-            str(engine.resolve()), settings.reuse, settings.max_tokens_in_paged_kv_cache
+            str(engine.resolve()),
+            settings.reuse,
+            settings.max_tokens_in_paged_kv_cache,
+            partial_reuse=settings.partial_reuse,
+            chunked_context=settings.chunked_context,
         ),
         "postprocessing": configs.postprocessing(str(tokenizer.resolve())),
     }

@@ -1,7 +1,8 @@
 """``kvledger replicas``: the fleet.
 
 ``up`` starts CPU stand-in replicas (real tritonserver processes). ``list`` (also bare
-``kvledger replicas``), ``drain`` and ``undrain`` ask a running proxy's admin API.
+``kvledger replicas``), ``drain`` and ``undrain`` ask a running proxy's admin API. ``check``
+talks to the replicas themselves (:mod:`router.cli.replica_check`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from router.cli import replica_check
 from router.cli.common import AdminApi, add_admin_options, cli_errors, print_json_lines, print_table
 
 
@@ -76,6 +78,7 @@ def _register_admin(replicas: argparse.ArgumentParser, actions: Any) -> None:
     reset.add_argument("replica_id", metavar="ID")
     add_admin_options(reset, suppress=True)
     reset.set_defaults(run=run_reset)
+    replica_check.register(actions)
 
 
 @cli_errors

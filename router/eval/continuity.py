@@ -5,6 +5,15 @@ after the run's previous request (else another request touched the cache in betw
 request, the counter must have moved by exactly one (a request completing alongside ours breaks
 that too). Either way the request is served; its record says ``verified`` and, when not,
 ``warning``.
+
+What the counter counts differs by backend (TensorRT-LLM's ``model_instance_state.cc``,
+``reportBaseMetrics``; python_backend's ``python_be.cc``): the C++ backend counts a request once,
+at its final response, and answers a ``stop`` request without counting it; the Python backend
+counts every ``execute``, stop requests included. A request the proxy abandoned is followed by
+one stop request (``backends.triton``: ``stops_sent``), so it moves the counter by one (C++) or
+two (Python); either is this request alone. The abandoned request itself is counted only when
+its final response leaves the engine, a moment after the stop took effect: the counter is read
+once it shows the request and the stops, or once it has held still after showing the request.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from backends.base import BackendError
 from router.fleet import ReplicaState
 from router.ledger.turns import Turn
 
+_STILL_S = 0.25  # a counter that showed the request and held still this long is settled
+
 
 @dataclass(frozen=True, slots=True)
 class Before:
@@ -25,26 +36,43 @@ class Before:
 
     count: int
     warning: str | None
+    stops: int = 0  # stop requests the replica's client had sent by then (``stops_sent``)
 
 
-def admitted(turn: Turn, run: str, replica: str, count: int) -> Before:
+def stops_sent(replica: ReplicaState) -> int:
+    """Stop requests the replica's engine client has sent (0 for a client that sends none)."""
+    return int(getattr(replica.backend, "stops_sent", 0))
+
+
+def admitted(turn: Turn, run: str, replica: str, count: int, stops: int = 0) -> Before:
     """Compare the counter at admission with the one stored after the run's previous request."""
     if turn.run != run:
-        return Before(count, f"continuity unknown: no request counter recorded for run {run}")
+        return Before(
+            count, f"continuity unknown: no request counter recorded for run {run}", stops
+        )
     if count != turn.count:
-        return Before(count, warning(replica, run, count - turn.count))
-    return Before(count, None)
+        return Before(count, warning(replica, run, count - turn.count), stops)
+    return Before(count, None, stops)
 
 
-async def counted(replica: ReplicaState, before: int, wait_s: float) -> int:
+async def counted(replica: ReplicaState, before: int | Before, wait_s: float) -> int:
     """The counter once it shows this request (Triton counts a request a moment after its last
-    response), or whatever it reads after ``wait_s``."""
-    after = before
+    response) and the stop requests sent for it, or once it showed the request and then held
+    still (a backend that does not count stops), or whatever it reads after ``wait_s``."""
+    start = before.count if isinstance(before, Before) else before
+    stops = stops_sent(replica) - before.stops if isinstance(before, Before) else 0
+    after, seen_at = start, 0.0
     deadline = time.monotonic() + wait_s
     with contextlib.suppress(BackendError):
-        while (after := await replica.backend.request_count()) <= before:
-            if time.monotonic() > deadline:
+        while True:
+            now, previous = time.monotonic(), after
+            after = await replica.backend.request_count()
+            if after >= start + 1 + stops or now > deadline:
                 break
+            if after > start:
+                seen_at = now if after != previous or not seen_at else seen_at
+                if now - seen_at >= _STILL_S:
+                    break
             await asyncio.sleep(0.005)
     return after
 
@@ -63,13 +91,17 @@ async def settled(replica: ReplicaState, wait_s: float = 1.0) -> int:
     return count
 
 
-def verdict(replica: str, run: str, before: Before, after: int) -> tuple[bool, str | None]:
-    """``verified`` and the record's warning for a request that saw ``before`` and ``after``."""
+def verdict(
+    replica: str, run: str, before: Before, after: int, stops: int = 0
+) -> tuple[bool, str | None]:
+    """``verified`` and the record's warning for a request that saw ``before`` and ``after``,
+    for which the proxy sent ``stops`` stop requests (counted or not, by backend)."""
     if before.warning is not None:
         return False, before.warning
-    if after == before.count + 1:
+    others = after - before.count - 1
+    if 0 <= others <= stops:
         return True, None
-    return False, warning(replica, run, after - before.count - 1)
+    return False, warning(replica, run, others if others < 0 else others - stops)
 
 
 def warning(replica: str, run: str, others: int) -> str:

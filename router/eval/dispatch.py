@@ -133,7 +133,8 @@ class EvalDispatcher:
         self, parsed: Parsed, principal: Principal, replica: ReplicaState, turn: Turn, run: Meta
     ) -> Flight:
         head = await self.ledger.head(replica.id)
-        before = continuity.admitted(turn, run["id"], replica.id, await self._count(replica, run))
+        count, stops = await self._count(replica, run), continuity.stops_sent(replica)
+        before = continuity.admitted(turn, run["id"], replica.id, count, stops)
         admission = Admission(
             replica.id,
             head.generation,
@@ -217,9 +218,10 @@ class EvalDispatcher:
         """Did exactly this one request complete on the replica while it ran?"""
         replica, run = flight.replica, ctx.run["id"]
         wait_s = self.settings.continuity_wait_s
-        ctx.count_after = await continuity.counted(replica, ctx.before.count, wait_s)
+        ctx.count_after = await continuity.counted(replica, ctx.before, wait_s)
+        stops = continuity.stops_sent(replica) - ctx.before.stops
         record["verified"], record["warning"] = continuity.verdict(
-            replica.id, run, ctx.before, ctx.count_after
+            replica.id, run, ctx.before, ctx.count_after, stops
         )
         if ctx.keeping.lost is not None:
             record.update(verified=False, warning=f"run broken: {ctx.keeping.lost}")

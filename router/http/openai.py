@@ -34,10 +34,6 @@ def _usage(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _finish_reason(parsed: Parsed, record: dict[str, Any]) -> str:
-    return "length" if record["completion_tokens"] >= parsed.request.max_tokens else "stop"
-
-
 _PLAIN = ChatOptions(None)
 
 
@@ -55,11 +51,16 @@ class OpenAIReply(Reply):
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
+    def _finish_reason(self, record: dict[str, Any]) -> str:
+        return "length" if self.ended_for_length(record, self.parsed.request.max_tokens) else "stop"
+
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.parsed.model}
 
-    def body(self, text: str, record: dict[str, Any]) -> dict[str, Any]:
-        reason = _finish_reason(self.parsed, record)
+    def body(
+        self, text: str, record: dict[str, Any], outputs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        reason = self._finish_reason(record)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if self.chat:
             rid = self.parsed.request.request_id
@@ -92,7 +93,7 @@ class OpenAIReply(Reply):
         )
 
     def closing(self, record: dict[str, Any]) -> bytes:
-        reason = _finish_reason(self.parsed, record)
+        reason = self._finish_reason(record)
         rest = b""
         if self.calls is not None:
             rest = self._deltas(self.calls.finish())

@@ -26,8 +26,22 @@ _log = structlog.get_logger("kvledger.respond")
 class Reply(ABC):
     """A front's response shapes."""
 
+    # The serving replica's engine max_seq_len (0: not known): an answer whose prompt + output
+    # reached it was clamped by the executor (``LlmRequest::validate``), so it ended for length.
+    max_seq_len = 0
+
+    def ended_for_length(self, record: dict[str, Any], max_tokens: int) -> bool:
+        """The output stopped at ``max_tokens`` or at the engine's sequence limit."""
+        completion = int(record["completion_tokens"])
+        if completion >= max_tokens:
+            return True
+        limit = self.max_seq_len
+        return limit > 0 and int(record["prompt_tokens"]) + completion >= limit
+
     @abstractmethod
-    def body(self, text: str, record: dict[str, Any]) -> dict[str, Any]: ...
+    def body(
+        self, text: str, record: dict[str, Any], outputs: dict[str, Any] | None = None
+    ) -> dict[str, Any]: ...
 
     @abstractmethod
     def piece(self, text: str) -> bytes: ...
@@ -37,6 +51,12 @@ class Reply(ABC):
 
     @abstractmethod
     def error_event(self, error: dict[str, Any]) -> bytes: ...
+
+    def passed(self, outputs: dict[str, Any]) -> bytes:
+        """One engine response's outputs, for a request that passes Triton's protocol through
+        (the Triton fronts); a front that merges responses sends their text."""
+        text = outputs.get("text_output")
+        return self.piece(str(text)) if text else b""
 
     def prefix(self) -> bytes:
         """Bytes sent before the first piece (the Triton front's echoed prompt)."""
@@ -71,6 +91,7 @@ async def serve_json(
 ) -> web.Response:
     settings = app[SETTINGS]
     flight = await open_flight(app, parsed, principal)
+    reply.max_seq_len = flight.replica.engine_max_seq_len
     try:
         await _drain(flight, settings.limits.request_timeout_s)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -86,7 +107,7 @@ async def serve_json(
         raise
     record = await _end(flight, "ok")
     return web.Response(
-        body=orjson.dumps(reply.body(flight.text, record)),
+        body=orjson.dumps(reply.body(flight.text, record, flight.outputs)),
         content_type="application/json",
         headers=record_headers(record),
     )
@@ -101,6 +122,7 @@ async def serve_stream(
 ) -> web.StreamResponse:
     settings = app[SETTINGS]
     flight = await open_flight(app, parsed, principal)
+    reply.max_seq_len = flight.replica.engine_max_seq_len
     response = web.StreamResponse()
     try:
         response.headers.update(flight.admission.headers(parsed.request.request_id))
@@ -110,7 +132,9 @@ async def serve_stream(
         await response.write(reply.prefix())
         async with asyncio.timeout(settings.limits.request_timeout_s):
             async for chunk in flight.chunks():
-                if chunk.text:
+                if chunk.outputs is not None:
+                    await response.write(reply.passed(chunk.outputs))
+                elif chunk.text:
                     await response.write(reply.piece(chunk.text))
     except (asyncio.CancelledError, ConnectionResetError) as exc:
         record = await _end(flight, "cancelled")

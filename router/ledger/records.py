@@ -154,6 +154,16 @@ class RecordInput:
         return drafted
 
 
+def cached_tokens(stats: EngineStats, tokens_per_block: int) -> int:
+    """An estimate from blocks: reused blocks x block size, at most the prompt less its last
+    token (the engine always computes that one). With partial reuse (TensorRT-LLM's default) a
+    partly matched block counts as reused whole, so the product alone can pass the prompt."""
+    estimate = stats.reused_blocks * tokens_per_block
+    if stats.input_tokens > 0:
+        return min(estimate, stats.input_tokens - 1)
+    return estimate
+
+
 def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
     """Every field of DESIGN.md §5 but the chain fields (``CHAIN_FIELDS``), which the ledger
     adds when the chain steps (or sets to None while the step waits for Redis)."""
@@ -183,7 +193,7 @@ def make_record(parts: RecordInput, outcome: Outcome) -> dict[str, Any]:
         "reused_blocks": stats.reused_blocks,
         "total_blocks": stats.total_blocks,
         "new_blocks": stats.new_blocks,
-        "cached_tokens": stats.reused_blocks * parts.tokens_per_block,
+        "cached_tokens": cached_tokens(stats, parts.tokens_per_block),
         "prompt_tokens": stats.input_tokens,
         "completion_tokens": stats.output_tokens,
         "status": outcome.status,

@@ -84,4 +84,8 @@ def tensor(name: str, value: Any, dtype: Any) -> Any:
 
 
 def error_response(message: str) -> Any:
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+    """An error response with TRITONSERVER_ERROR_INTERNAL, the code TensorRT-LLM's backend
+    gives every error it sends (``model_instance_state.cc``); HTTP 500 over KServe v2."""
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
+    )

@@ -4,6 +4,19 @@ Family names, descriptions, the category label of each family and its values fol
 backend's ``custom_metrics_reporter``; every sample also carries ``model`` and ``version``.
 The stand-in fills what it knows (requests, KV-cache blocks, iterations, token counts) and
 publishes the rest (runtime memory, disaggregated serving, micro-batch ids) at zero.
+
+Every gauge reads 0 from a load until the first request's statistics (``max`` and
+``tokens_per`` included): the C++ backend publishes only what the executor's iteration
+statistics say (``model_instance_state.cc``, ``WaitForStats``), and there are none before the
+first iteration.
+
+``kvledger_sim_backend_requests{outcome="success"|"failure"}`` is the stand-in's own gauge
+(no TensorRT-LLM family; a gauge so that it restarts at 0 with each load, as Triton's statistics
+do): the count the C++ backend reports to Triton's statistics
+(``reportBaseMetrics``: once per request, at its final response; stop requests and inputs refused
+before the executor not at all). The Python backend running the stand-in counts differently in
+Triton's statistics (every ``execute``), so a reader wanting the C++ count on the stand-in reads
+this counter.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 from backends.sim.engine import Engine
 
 MAX_IN_FLIGHT = 256
+REQUESTS_FAMILY = "kvledger_sim_backend_requests"
 _TOKEN_BUCKETS = [10.0, 50.0, 100.0, 500.0, 1000.0]
 # (family, description, category label, values, kind)
 _GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -82,7 +96,27 @@ class Metrics:
                 ("nv_llm_input_token_len", "total_input_tokens"),
             )
         }
-        self.g["nv_trt_llm_request_metrics"]["max"].set(MAX_IN_FLIGHT)
+        requests = pb_utils.MetricFamily(
+            name=REQUESTS_FAMILY,
+            description="Requests as TensorRT-LLM's C++ backend counts them in Triton's"
+            " statistics: once, at the final response; stop requests not counted",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self._families.append(requests)
+        self._requests = {
+            outcome: requests.Metric(labels={**labels, "outcome": outcome})
+            for outcome in ("success", "failure")
+        }
+        self.zero()
+
+    def zero(self) -> None:
+        """Every gauge to 0: a family of the same name and labels outlives a reload in
+        Triton's registry, so a new instance must clear what the old one published."""
+        for gauges in self.g.values():
+            for gauge in gauges.values():
+                gauge.set(0)
+        for gauge in self._requests.values():
+            gauge.set(0)
 
     def _histogram(self, name: str, kind: str, labels: dict[str, str]) -> Any:
         family = pb_utils.MetricFamily(
@@ -106,6 +140,7 @@ class Metrics:
         ):
             kv[name].set(value)
         req = self.g["nv_trt_llm_request_metrics"]
+        req["max"].set(MAX_IN_FLIGHT)
         req["active"].set(waiting + running)
         req["scheduled"].set(running)
         req["context"].set(running if context_tokens else 0)
@@ -116,6 +151,10 @@ class Metrics:
         general = self.g["nv_trt_llm_general_metrics"]
         general["iteration_counter"].set(s.iterations)
         general["timestamp"].set(time.time_ns() // 1000)
+
+    def counted(self, success: bool) -> None:
+        """A request's final response went out (``reportBaseMetrics``)."""
+        self._requests["success" if success else "failure"].increment(1.0)
 
     def finished(self, input_tokens: int, output_tokens: int) -> None:
         self.tokens["total_input_tokens"].observe(input_tokens)
