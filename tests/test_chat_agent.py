@@ -40,13 +40,6 @@ TOOLS: list[dict[str, Any]] = [
 TURNS = 5
 
 
-def declares_log_probs() -> bool:
-    """Whether the stand-in's ensemble declares TensorRT-LLM's return_log_probs input."""
-    from backends.sim import configs
-
-    return "return_log_probs" in configs.ensemble()
-
-
 @pytest.fixture(scope="module")
 def stack(replicas: dict[str, Replica]) -> Iterator[tuple[Proxy, LedgerView]]:
     """A proxy whose model renders with the stand-in tokenizer's template, parser hermes."""
@@ -162,7 +155,8 @@ def test_agent_tool_loop_on_a_reset_arm_is_verified_and_reruns_identically(
 def chat(proxy: Proxy, key: str, **body: Any) -> openai.types.chat.ChatCompletion:
     sdk = client(proxy, key)
     messages = body.pop("messages", [{"role": "user", "content": "Weather in Paris?"}])
-    return sdk.chat.completions.create(model="ensemble", messages=messages, max_tokens=4, **body)
+    body.setdefault("max_tokens", 4)
+    return sdk.chat.completions.create(model="ensemble", messages=messages, **body)
 
 
 def test_tools_change_the_prompt_digest(stack: tuple[Proxy, LedgerView]) -> None:
@@ -219,12 +213,8 @@ def test_refusals_name_the_field(stack: tuple[Proxy, LedgerView]) -> None:
     proxy, _ = stack
     key = proxy.create_key("refused")
     cases: list[tuple[dict[str, Any], str, str]] = []
-    if not declares_log_probs():
-        cases += [
-            ({"logprobs": True}, "logprobs", "return_log_probs"),
-            ({"logprobs": True, "top_logprobs": 2}, "logprobs", "return_log_probs"),
-        ]
     cases += [
+        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs", "sampled token only"),
         ({"extra_body": {"best_of": 2}}, "best_of", "not supported"),
         ({"tool_choice": "required", "tools": TOOLS}, "tool_choice", "guided decoding"),
         ({"response_format": {"type": "json_object"}}, "response_format", "guided decoding"),
@@ -263,15 +253,33 @@ def test_refusals_name_the_field(stack: tuple[Proxy, LedgerView]) -> None:
         assert error.get("param") == param and words in error["message"], (body, error)
 
 
-@pytest.mark.skipif(
-    not declares_log_probs(), reason="the stand-in's ensemble declares no return_log_probs"
-)
-def test_logprobs_when_the_ensemble_declares_them(stack: tuple[Proxy, LedgerView]) -> None:
-    """With return_log_probs declared, logprobs: true answers with one log probability per
-    token (the other half of test_refusals_name_the_field)."""
+def test_logprobs_come_back_whole_and_streamed(stack: tuple[Proxy, LedgerView]) -> None:
+    """logprobs: true passes TensorRT-LLM's return_log_probs to the ensemble (the stand-in's
+    declares it) and answers its output_log_probs: one per generated token, whole or spread
+    over a stream's chunks; without it, none. (Whole and streamed answers are not compared:
+    the second request may reuse the first's blocks, which is what kvledger records.)"""
     proxy, _ = stack
-    answer = chat(proxy, proxy.create_key("logprobs"), logprobs=True)
+    key = proxy.create_key("logprobs")
+    answer = chat(proxy, key, logprobs=True, max_tokens=6)
     assert answer.choices[0].logprobs is not None
-    content = answer.choices[0].logprobs.content or []
-    assert len(content) == answer.usage.completion_tokens  # type: ignore[union-attr]
-    assert all(t.logprob <= 0 for t in content)
+    whole = [t.logprob for t in answer.choices[0].logprobs.content or []]
+    assert len(whole) == answer.usage.completion_tokens > 0  # type: ignore[union-attr]
+    assert all(v <= 0 for v in whole)
+    assert chat(proxy, key, max_tokens=6).choices[0].logprobs is None
+    streamed: list[float] = []
+    usage = None
+    events = client(proxy, key).chat.completions.create(
+        model="ensemble",
+        messages=[{"role": "user", "content": "Weather in Rome?"}],
+        max_tokens=6,
+        logprobs=True,
+        stream=True,
+    )
+    for event in events:
+        usage = event.usage or usage
+        for choice in event.choices:
+            if choice.logprobs is not None:
+                streamed += [t.logprob for t in choice.logprobs.content or []]
+    assert usage is not None
+    assert len(streamed) == usage.completion_tokens > 0
+    assert all(v <= 0 for v in streamed)

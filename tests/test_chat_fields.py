@@ -16,9 +16,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from backends.sim.tokenizer import CHAT_TEMPLATE
 from router.chat.parsers import PARSERS
 from router.chat.templates import JinjaChat
-from router.errors import BadRequest
+from router.errors import BadRequest, Unavailable
 from router.http.chat_request import CHAT_FIELDS, ChatOptions, parse_chat
 from router.http.openai import OpenAIReply
+from router.http.parse import parse_completion
 from router.settings import ChatTemplate, ModelChat
 
 CHAT = ModelChat(JinjaChat("stand-in", CHAT_TEMPLATE), ChatTemplate(), PARSERS["hermes"])
@@ -43,7 +44,7 @@ WALK: dict[str, tuple[Any, dict[str, Any], bool]] = {
     "tool_choice": ("none", {"tools": TOOLS}, True),
     "response_format": ({"type": "json_schema", "json_schema": {}}, {}, False),
     "n": (2, {}, False),
-    "logprobs": (True, {}, False),
+    "logprobs": (True, {}, True),
     "top_logprobs": (3, {}, False),
     "parallel_tool_calls": (False, {"tools": TOOLS}, False),
     "frequency_penalty": (0.5, {}, False),
@@ -51,9 +52,25 @@ WALK: dict[str, tuple[Any, dict[str, Any], bool]] = {
 }
 
 
-def parse(body: dict[str, Any]) -> tuple[Any, ...]:
-    parsed, options = parse_chat(dict(body), "rid", lambda model: CHAT, 4096)
+# The inputs TensorRT-LLM's ensemble declares for log probabilities (its config.pbtxt).
+DECLARED = {"return_log_probs": "TYPE_BOOL", "stream": "TYPE_BOOL"}
+
+
+def parse(body: dict[str, Any], declared: dict[str, str] = DECLARED) -> tuple[Any, ...]:
+    parsed, options = parse_chat(dict(body), "rid", lambda model: CHAT, 4096, None, declared)
     return parsed.model, astuple(parsed.request), options
+
+
+def test_logprobs_only_where_the_model_declares_return_log_probs() -> None:
+    """logprobs: true asks the ensemble's return_log_probs input; a model without it is a 400
+    naming the field, a model whose inputs are not read yet a 503 to retry."""
+    _, request, options = parse({**BASE, "logprobs": True})
+    assert options.logprobs and ("return_log_probs", "BOOL", True) in request[10]
+    with pytest.raises(BadRequest) as caught:
+        parse({**BASE, "logprobs": True}, {"stream": "TYPE_BOOL"})
+    assert caught.value.param == "logprobs" and "return_log_probs" in caught.value.message
+    with pytest.raises(Unavailable):
+        parse({**BASE, "logprobs": True}, {})
 
 
 def test_the_walk_covers_every_accepted_field() -> None:
@@ -218,3 +235,14 @@ def test_any_chat_body_parses_or_is_a_400(body: dict[str, Any]) -> None:
         parse(body)
     except BadRequest as error:
         assert error.param
+
+
+def test_completions_refuse_what_they_would_ignore() -> None:
+    """/v1/completions names a field it does not honour (echo, logprobs, best_of, suffix, ...)
+    instead of answering without it; null still means absent."""
+    body = {"model": "ensemble", "prompt": "Hi"}
+    for field, value in (("echo", True), ("logprobs", 2), ("best_of", 2), ("suffix", "x")):
+        with pytest.raises(BadRequest) as caught:
+            parse_completion({**body, field: value}, "rid", 64)
+        assert caught.value.param == field and "not supported" in caught.value.message
+    assert parse_completion({**body, "echo": None}, "rid", 64).request.prompt == "Hi"

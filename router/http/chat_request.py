@@ -9,7 +9,7 @@ A message that cannot be rendered is a 400 whose ``param`` is ``messages`` and w
 names the message and its field (``'messages[2].tool_call_id' is required ...``).
 
 Every field of the body is either honoured or refused with a 400 naming it: ``CHAT_FIELDS``
-lists the accepted ones; a field accepted only at its default value (``n``, ``logprobs``,
+lists the accepted ones; a field accepted only at its default value (``n``, ``top_logprobs``,
 ``parallel_tool_calls``, the penalties, ...) is refused at any other value, since nothing
 here could honour it (docs/chat.md says why, field by field).
 """
@@ -24,7 +24,7 @@ import orjson
 
 from router.chat.parsers import ToolParser
 from router.chat.templates import RenderError
-from router.errors import BadRequest
+from router.errors import BadRequest, Unavailable
 from router.flight import Parsed
 from router.http.parse import _common, _model
 from router.settings import ModelChat
@@ -39,20 +39,18 @@ _MESSAGE_FIELDS: dict[str, frozenset[str]] = {
 # Accepted only at these values (absent and null mean the same): any other value is refused.
 DEFAULT_ONLY: dict[str, object] = {
     "n": 1,
-    "logprobs": False,
     "top_logprobs": 0,
     "parallel_tool_calls": True,
     "frequency_penalty": 0,
     "presence_penalty": 0,
 }
-_NO_LOG_PROBS = (
-    "log probabilities are not served yet: the proxy does not pass TensorRT-LLM's"
-    " return_log_probs input nor read its output_log_probs (docs/chat.md)"
+_NO_TOP_LOG_PROBS = (
+    "TensorRT-LLM returns the log probability of the sampled token only (output_log_probs),"
+    " not the most likely alternatives (docs/chat.md)"
 )
 _WHY = {
     "n": "only n=1 is served (one choice per request)",
-    "logprobs": _NO_LOG_PROBS,
-    "top_logprobs": _NO_LOG_PROBS,
+    "top_logprobs": _NO_TOP_LOG_PROBS,
     "parallel_tool_calls": "parallel_tool_calls false cannot be enforced on the model's output",
     "frequency_penalty": "penalties are not passed to the engine",
     "presence_penalty": "penalties are not passed to the engine",
@@ -73,6 +71,7 @@ CHAT_FIELDS = frozenset(
         "tools",
         "tool_choice",
         "response_format",
+        "logprobs",
     )
 ) | frozenset(DEFAULT_ONLY)
 
@@ -83,6 +82,29 @@ class ChatOptions:
 
     parser: ToolParser | None  # parse the output for tool calls (tools sent, not "none")
     include_usage: bool = True  # stream_options.include_usage
+    logprobs: bool = False  # answer with the engine's output_log_probs
+
+
+def _logprobs(body: Mapping[str, Any], declared: Mapping[str, str], model: str) -> bool:
+    """``logprobs: true`` asks TensorRT-LLM's ``return_log_probs`` input of the served model
+    (its ``output_log_probs`` output answers): only where the model declares that input."""
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return False
+    if value is not True:
+        raise BadRequest("'logprobs' must be true or false", param="logprobs")
+    if not declared:
+        raise Unavailable(
+            f"the inputs of model '{model}' are not known yet; retry", headers={"Retry-After": "1"}
+        )
+    if declared.get("return_log_probs") != "TYPE_BOOL":
+        raise BadRequest(
+            f"'logprobs': model '{model}' declares no return_log_probs input (TensorRT-LLM's"
+            " ensemble does from its config.pbtxt; docs/chat.md), so no log probabilities"
+            " could be returned",
+            param="logprobs",
+        )
+    return True
 
 
 def _fields(body: Mapping[str, Any]) -> None:
@@ -326,6 +348,7 @@ def parse_chat(
     chat_for: Any,
     cap: int,
     episode: str | None = None,
+    declared: Mapping[str, str] | None = None,
 ) -> tuple[Parsed, ChatOptions]:
     """The engine request for a chat body, and how its answer is shaped."""
     _fields(body)
@@ -345,5 +368,9 @@ def parse_chat(
             param="tools",
         )
     prompt = render_chat(body.get("messages"), chat, shown, model)
+    logprobs = _logprobs(body, declared or {}, model)
     parsed = Parsed(model, _common(body, request_id, prompt, cap), episode=episode)
-    return parsed, ChatOptions(parser, include_usage)
+    if logprobs:
+        parsed.request.extra = (("return_log_probs", "BOOL", True),)
+        parsed.request.raw = True  # each engine response's outputs reach the reply
+    return parsed, ChatOptions(parser, include_usage, logprobs)

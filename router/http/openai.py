@@ -13,6 +13,7 @@ from router.flight import Parsed
 from router.http.chat_reply import StreamedCalls, message
 from router.http.chat_request import ChatOptions, parse_chat
 from router.http.context import (
+    FLEET,
     SETTINGS,
     authenticate,
     check_prompt,
@@ -37,6 +38,42 @@ def _usage(record: dict[str, Any]) -> dict[str, Any]:
 _PLAIN = ChatOptions(None)
 
 
+def log_probs_of(outputs: dict[str, Any] | None) -> list[float]:
+    """``output_log_probs`` ([1, beam, n], beam 0) of one engine response, flat."""
+    value: Any = (outputs or {}).get("output_log_probs")
+    while isinstance(value, list) and value and isinstance(value[0], list):
+        value = value[0]
+    return [float(v) for v in value] if isinstance(value, list) else []
+
+
+def _entries(log_probs: list[float]) -> list[dict[str, Any]]:
+    # The ensemble answers detokenized text only, not its tokens: the token's text is unknown
+    # here, so ``token`` is empty and ``bytes`` null (docs/chat.md).
+    return [{"token": "", "bytes": None, "logprob": v, "top_logprobs": []} for v in log_probs]
+
+
+class LogProbs:
+    """A stream's log probabilities, whichever way the engine sends them: each response with
+    the log probabilities of every token so far (``LlmRequest::createResult``), or of its own
+    tokens only. A response whose list extends the ones already taken replaces them."""
+
+    def __init__(self) -> None:
+        self.taken: list[float] = []
+        self.pending: list[float] = []
+
+    def add(self, values: list[float]) -> None:
+        taken = self.taken
+        if len(values) > len(taken) and values[: len(taken)] == taken:  # every token so far
+            new, self.taken = values[len(taken) :], values
+        else:  # this response's tokens only
+            new, self.taken = values, taken + values
+        self.pending += new
+
+    def take(self) -> dict[str, Any] | None:
+        pending, self.pending = self.pending, []
+        return {"content": _entries(pending)} if pending else None
+
+
 class OpenAIReply(Reply):
     """Bodies and stream events in OpenAI's shapes, chat or plain completion."""
 
@@ -47,6 +84,7 @@ class OpenAIReply(Reply):
         self.options = options or _PLAIN
         parser = self.options.parser
         self.calls = StreamedCalls(parser, rid) if parser is not None else None
+        self.log_probs = LogProbs() if self.options.logprobs else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + rid
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -62,6 +100,8 @@ class OpenAIReply(Reply):
     ) -> dict[str, Any]:
         reason = self._finish_reason(record)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if self.log_probs is not None:
+            choice["logprobs"] = {"content": _entries(log_probs_of(outputs))}
         if self.chat:
             rid = self.parsed.request.request_id
             choice["message"], called = message(text, self.options.parser, rid)
@@ -80,17 +120,31 @@ class OpenAIReply(Reply):
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return b"data: " + orjson.dumps({**self._base(obj), "choices": [choice]}) + b"\n\n"
 
+    def passed(self, outputs: dict[str, Any]) -> bytes:
+        """One engine response of a ``logprobs`` chat: its text, and the log probabilities of
+        its new tokens on the next chunk sent."""
+        if self.log_probs is not None:
+            self.log_probs.add(log_probs_of(outputs))
+        return super().passed(outputs)
+
     def piece(self, text: str) -> bytes:
         if self.calls is not None:
             return self._deltas(self.calls.feed(text))
         if self.chat:
-            return self._chunk({"index": 0, "delta": {"content": text}, "finish_reason": None})
+            choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+            if self.log_probs is not None:
+                choice["logprobs"] = self.log_probs.take()
+            return self._chunk(choice)
         return self._chunk({"index": 0, "text": text, "finish_reason": None, "logprobs": None})
 
     def _deltas(self, deltas: list[dict[str, Any]]) -> bytes:
-        return b"".join(
-            self._chunk({"index": 0, "delta": d, "finish_reason": None}) for d in deltas
-        )
+        chunks = []
+        for delta in deltas:
+            choice = {"index": 0, "delta": delta, "finish_reason": None}
+            if self.log_probs is not None:
+                choice["logprobs"] = self.log_probs.take()
+            chunks.append(self._chunk(choice))
+        return b"".join(chunks)
 
     def closing(self, record: dict[str, Any]) -> bytes:
         reason = self._finish_reason(record)
@@ -99,11 +153,14 @@ class OpenAIReply(Reply):
             rest = self._deltas(self.calls.finish())
             if self.calls.calls:
                 reason = "tool_calls"
-        end = rest + self._chunk(
+        last: dict[str, Any] = (
             {"index": 0, "delta": {}, "finish_reason": reason}
             if self.chat
             else {"index": 0, "text": "", "finish_reason": reason, "logprobs": None}
         )
+        if self.log_probs is not None:  # what no text chunk carried (tokens held back, or none)
+            last["logprobs"] = self.log_probs.take()
+        end = rest + self._chunk(last)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         ledger = {**self._base(obj), "choices": [], "usage": _usage(record), "kvledger": record}
         if not self.options.include_usage:
@@ -124,7 +181,12 @@ async def serve_completion(
     label, cap = episode(request), settings.limits.max_tokens
     options = None
     if chat:
-        parsed, options = parse_chat(body, new_request_id(), settings.chat, cap, label)
+        declared: dict[str, str] = {}
+        if body.get("logprobs") and isinstance(model := body.get("model"), str):
+            serving = app[FLEET].serving(model)
+            declared = next((r.model_inputs for r in serving if r.model_inputs), {})
+        rid = new_request_id()
+        parsed, options = parse_chat(body, rid, settings.chat, cap, label, declared)
     else:
         parsed = parse_completion(body, new_request_id(), cap, label)
     check_prompt(app, parsed, "messages" if chat else "prompt")

@@ -163,9 +163,25 @@ def _common(body: dict[str, Any], request_id: str, prompt: str, cap: int) -> Gen
     return _request(request_id, prompt, _flag(body, "stream"), _sampling(body, cap, _OPENAI), ())
 
 
+# /v1/completions: every field either honoured or refused (docs/chat.md, "The fields").
+COMPLETION_FIELDS = frozenset(
+    (
+        *("model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p"),
+        *("top_k", "seed", "stop", "stream", "n"),
+    )
+)
+
+
 def parse_completion(
     body: dict[str, Any], request_id: str, cap: int, episode: str | None = None
 ) -> Parsed:
+    for name, value in body.items():
+        if name not in COMPLETION_FIELDS and value is not None:  # null: nothing sent
+            raise BadRequest(
+                f"'{name}' is not supported by /v1/completions (accepted fields:"
+                f" {', '.join(sorted(COMPLETION_FIELDS))})",
+                param=name,
+            )
     model = _model(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
