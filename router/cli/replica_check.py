@@ -8,21 +8,19 @@ FAIL the setting to change. It exits 0 only when every line passes. What each li
 in docs/stand-in.md (the real backend's file that defines it, and where the stand-in imitates
 it); docs/deploy.md says when to run it.
 
-It sends a handful of short requests (and one refused prompt one token over the limit), so run
-it on a replica that serves nobody else: the request-counter lines need the counter to move for
-the check's own requests only. ``--reset`` adds the line that needs an unload and a load.
+The command's options are in :mod:`router.cli.replicas`. It sends a handful of short
+requests (and one refused prompt one token over the limit), so run it on a replica that serves
+nobody else: the request-counter lines need the counter to move for the check's own requests
+only. ``--reset`` adds the line that needs an unload and a load.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,9 +36,6 @@ from backends.triton_control import TritonControl, found_sample
 from backends.triton_grpc import StreamChannel, infer_request, tensor
 from backends.triton_http import request_body
 from backends.triton_target import TritonTarget
-from router.cli.common import CliError, cli_errors, print_json_lines
-from router.settings import load_settings
-from router.settings_check import SettingsError
 
 STATS = ("kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks")
 COUNTS = ("num_input_tokens", "num_output_tokens")
@@ -416,93 +411,3 @@ _WANTED = {
 async def check(target: TritonTarget, http_url: str, expect: Expect, reset: bool) -> list[Line]:
     async with aiohttp.ClientSession() as session:
         return await Checker(target, http_url, session, expect).run(reset)
-
-
-def register(actions: Any) -> None:
-    """``kvledger replicas check``."""
-    parser = actions.add_parser(
-        "check",
-        help="prove a live replica behaves as the ledger assumes (PASS/FAIL per behaviour)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("replica_ids", nargs="*", metavar="ID", help="replicas of --config (all)")
-    parser.add_argument("--config", type=Path, help="the proxy's TOML config (or $KVL_CONFIG)")
-    parser.add_argument("--grpc", help="HOST:PORT of Triton's gRPC API (instead of an ID)")
-    parser.add_argument("--http", help="Triton's HTTP URL, e.g. http://host:8000")
-    parser.add_argument("--metrics", help="Triton's metrics URL, e.g. http://host:8002/metrics")
-    parser.add_argument("--model", default="ensemble")
-    parser.add_argument("--engine-model", default="tensorrt_llm")
-    parser.add_argument("--engine-dir", default="", help="the engine directory as seen here")
-    parser.add_argument("--seed-input", default="seed")
-    parser.add_argument("--perf-input", default="return_perf_metrics")
-    parser.add_argument("--no-token-counts", action="store_true")
-    parser.add_argument("--reuse-off", action="store_true", help="the replica should not reuse")
-    parser.add_argument("--reset", action="store_true", help="also unload + load (disturbs it)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    parser.set_defaults(run=run_check)
-
-
-def _targets(args: argparse.Namespace) -> list[tuple[TritonTarget, str, Expect]]:
-    if args.grpc or args.http or args.metrics:
-        if not (args.grpc and args.http and args.metrics) or args.replica_ids:
-            raise CliError("by URL: give --grpc, --http and --metrics (and no ID)", 2)
-        target = TritonTarget(
-            "replica",
-            args.grpc,
-            args.metrics,
-            args.model,
-            args.seed_input,
-            args.perf_input,
-            not args.no_token_counts,
-            10.0,
-            args.engine_model,
-            args.engine_dir,
-        )
-        return [(target, args.http.rstrip("/"), Expect(reuse=not args.reuse_off))]
-    path = args.config or (Path(os.environ["KVL_CONFIG"]) if "KVL_CONFIG" in os.environ else None)
-    if path is None:
-        raise CliError("give replica IDs with --config FILE, or --grpc, --http and --metrics", 2)
-    try:
-        settings = load_settings(path, os.environ)
-    except SettingsError as exc:
-        raise CliError(str(exc), 2) from exc
-    wanted = set(args.replica_ids)
-    unknown = wanted - {r.id for r in settings.replicas}
-    if unknown:
-        raise CliError(f"no replica {', '.join(sorted(unknown))} in {path}", 2)
-    found = []
-    for r in settings.replicas:
-        if wanted and r.id not in wanted:
-            continue
-        if not r.http:
-            raise CliError(f"replica {r.id}: the check needs its http URL in the config", 2)
-        target = TritonTarget(
-            r.id,
-            r.grpc,
-            r.metrics,
-            r.model,
-            r.seed_input,
-            r.perf_input,
-            r.token_counts,
-            settings.limits.backend_timeout_s,
-            r.engine_model,
-            r.engine_dir,
-        )
-        found.append((target, r.http.rstrip("/"), Expect(r.reuse, r.tokens_per_block)))
-    return found
-
-
-@cli_errors
-def run_check(args: argparse.Namespace) -> int:
-    passed = True
-    for target, http_url, expect in _targets(args):
-        lines = asyncio.run(check(target, http_url, expect, args.reset))
-        passed = passed and all(line.ok for line in lines)
-        if args.json:
-            print_json_lines({"replica": target.replica_id, **vars(line)} for line in lines)
-            continue
-        print(f"replica {target.replica_id} ({target.grpc}):")
-        for line in lines:
-            print("  " + line.render().replace("\n", "\n  "))
-    return 0 if passed else 1

@@ -14,8 +14,21 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from router.cli import replica_check
-from router.cli.common import AdminApi, add_admin_options, cli_errors, print_json_lines, print_table
+from router.cli.common import (
+    AdminApi,
+    CliError,
+    add_admin_options,
+    cli_errors,
+    print_json_lines,
+    print_table,
+)
+
+CHECK_HELP = """\
+Prove that live replicas behave as the ledger assumes: one line per behaviour, PASS or FAIL,
+what the check saw and, for a FAIL, the setting to change; exit 0 only when every line passes.
+Name replicas of the proxy's config by ID (all of them if none), or one replica by its URLs.
+Run it on replicas nobody else uses; --reset also unloads and loads the model (docs/deploy.md).
+"""
 
 
 def register(commands: Any) -> None:
@@ -78,7 +91,7 @@ def _register_admin(replicas: argparse.ArgumentParser, actions: Any) -> None:
     reset.add_argument("replica_id", metavar="ID")
     add_admin_options(reset, suppress=True)
     reset.set_defaults(run=run_reset)
-    replica_check.register(actions)
+    _register_check(actions)
 
 
 @cli_errors
@@ -163,3 +176,102 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"kvledger: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _register_check(actions: Any) -> None:
+    """``kvledger replicas check`` (:mod:`router.cli.replica_check`)."""
+    parser = actions.add_parser(
+        "check",
+        help="prove a live replica behaves as the ledger assumes (PASS/FAIL per behaviour)",
+        description=CHECK_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("replica_ids", nargs="*", metavar="ID", help="replicas of --config (all)")
+    parser.add_argument("--config", type=Path, help="the proxy's TOML config (or $KVL_CONFIG)")
+    parser.add_argument("--grpc", help="HOST:PORT of Triton's gRPC API (instead of an ID)")
+    parser.add_argument("--http", help="Triton's HTTP URL, e.g. http://host:8000")
+    parser.add_argument("--metrics", help="Triton's metrics URL, e.g. http://host:8002/metrics")
+    parser.add_argument("--model", default="ensemble")
+    parser.add_argument("--engine-model", default="tensorrt_llm")
+    parser.add_argument("--engine-dir", default="", help="the engine directory as seen here")
+    parser.add_argument("--seed-input", default="seed")
+    parser.add_argument("--perf-input", default="return_perf_metrics")
+    parser.add_argument("--no-token-counts", action="store_true")
+    parser.add_argument("--reuse-off", action="store_true", help="the replica should not reuse")
+    parser.add_argument("--reset", action="store_true", help="also unload + load (disturbs it)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.set_defaults(run=run_check)
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[Any, str, Any]]:
+    from backends.triton_target import TritonTarget
+    from router.cli.replica_check import Expect
+    from router.settings import load_settings
+    from router.settings_check import SettingsError
+
+    if args.grpc or args.http or args.metrics:
+        if not (args.grpc and args.http and args.metrics) or args.replica_ids:
+            raise CliError("by URL: give --grpc, --http and --metrics (and no ID)", 2)
+        target = TritonTarget(
+            "replica",
+            args.grpc,
+            args.metrics,
+            args.model,
+            args.seed_input,
+            args.perf_input,
+            not args.no_token_counts,
+            10.0,
+            args.engine_model,
+            args.engine_dir,
+        )
+        return [(target, args.http.rstrip("/"), Expect(reuse=not args.reuse_off))]
+    path = args.config or (Path(os.environ["KVL_CONFIG"]) if "KVL_CONFIG" in os.environ else None)
+    if path is None:
+        raise CliError("give replica IDs with --config FILE, or --grpc, --http and --metrics", 2)
+    try:
+        settings = load_settings(path, os.environ)
+    except SettingsError as exc:
+        raise CliError(str(exc), 2) from exc
+    wanted = set(args.replica_ids)
+    unknown = wanted - {r.id for r in settings.replicas}
+    if unknown:
+        raise CliError(f"no replica {', '.join(sorted(unknown))} in {path}", 2)
+    found = []
+    for r in settings.replicas:
+        if wanted and r.id not in wanted:
+            continue
+        if not r.http:
+            raise CliError(f"replica {r.id}: the check needs its http URL in the config", 2)
+        target = TritonTarget(
+            r.id,
+            r.grpc,
+            r.metrics,
+            r.model,
+            r.seed_input,
+            r.perf_input,
+            r.token_counts,
+            settings.limits.backend_timeout_s,
+            r.engine_model,
+            r.engine_dir,
+        )
+        found.append((target, r.http.rstrip("/"), Expect(r.reuse, r.tokens_per_block)))
+    return found
+
+
+@cli_errors
+def run_check(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.cli.replica_check import check
+
+    passed = True
+    for target, http_url, expect in _targets(args):
+        lines = asyncio.run(check(target, http_url, expect, args.reset))
+        passed = passed and all(line.ok for line in lines)
+        if args.json:
+            print_json_lines({"replica": target.replica_id, **vars(line)} for line in lines)
+            continue
+        print(f"replica {target.replica_id} ({target.grpc}):")
+        for line in lines:
+            print("  " + line.render().replace("\n", "\n  "))
+    return 0 if passed else 1
