@@ -64,6 +64,10 @@ class WireError(Exception):
         self.written = written  # the request's bytes were written: the replica may have run it
 
 
+class _Stray(Exception):
+    """Raised inside the parser's callback to stop at a response nobody asked for."""
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection: llhttp's parser, the body bytes not yet read, and a waiter.
 
@@ -83,6 +87,7 @@ class Connection(asyncio.Protocol):
         self._reset()
         self.busy = False  # a request is on its way or its response is being read
         self.counted = True  # holds one of its pool's places (see Pool._drop)
+        self.stray = False  # bytes beyond the answer arrived: never reused
 
     def _reset(self) -> None:
         self.status = 0
@@ -92,7 +97,8 @@ class Connection(asyncio.Protocol):
         self.keep_alive = True
         self.by_close = False  # its body ends when the connection closes
         self.body = bytearray()
-        self._head_bytes = 0
+        self._head_bytes = 0  # bytes received while the head is incomplete
+        self._head_size = 0  # the head's header lines, as parsed
         self._chunk = 0
         self._interim = False
         self._paused = False
@@ -110,14 +116,20 @@ class Connection(asyncio.Protocol):
                 self._peek = None
 
     def data_received(self, data: bytes) -> None:
-        if self.error is not None:
+        if self.error is not None or self.stray:
             return
         if not self.busy or self.done:  # nobody asked: the stream is out of step
-            self._fail("the replica sent bytes nobody asked for", answered=True)
+            self._stray()
             return
         self.received = True
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, _Stray):
+                cause = exc.__context__ if isinstance(exc.__context__, WireError) else None
+                self._fail(str(cause) if cause is not None else f"malformed HTTP answer: {exc}")
+                return
+            self._stray()
         except httptools.HttpParserUpgrade:
             self._fail("the replica switched protocols (101), which nobody asked for")
             return
@@ -158,9 +170,12 @@ class Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if self.done:  # a second response after the one asked for: out of step
-            raise WireError("the replica sent more than one answer", answered=True)
+            raise _Stray()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > MAX_HEAD:
+            raise WireError(f"the answer's head is longer than {MAX_HEAD} bytes", answered=True)
         if not self._interim:
             self.headers[name.lower()] = value
 
@@ -194,7 +209,7 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._interim:
             self._interim = False
-            self._head_bytes = 0
+            self._head_bytes = self._head_size = 0
             return
         self.done = True
 
@@ -204,6 +219,16 @@ class Connection(asyncio.Protocol):
         """A request goes out on this connection: a fresh response to parse."""
         self._reset()
         self.busy = True
+
+    def _stray(self) -> None:
+        """Bytes beyond the answer asked for (a response nobody asked for): the answer, if
+        complete, stands, but the connection is out of step and is closed, never reused."""
+        self.stray = True
+        if self.transport is not None:
+            self.transport.close()
+        if self.busy and not self.done and self.error is None:
+            self.error = WireError("the replica sent bytes nobody asked for", answered=True)
+        self._wake()
 
     def _fail(self, message: str, *, answered: bool = True) -> None:
         if self.error is None:
@@ -241,7 +266,7 @@ class Connection(asyncio.Protocol):
     def dead(self) -> bool:
         """Known unusable before a write: closed, failed, or a peek at the socket finds the
         close (or bytes nobody asked for) waiting to be read."""
-        if self.closed or self.error is not None:
+        if self.closed or self.error is not None or self.stray:
             return True
         if self._peek is None:
             return False
@@ -257,6 +282,7 @@ class Connection(asyncio.Protocol):
         return (
             self.done
             and self.keep_alive
+            and not self.stray
             and not self.closed
             and self.error is None
             and not self.body
@@ -343,8 +369,13 @@ class Pool:
     def open(self) -> int:
         return self._open
 
-    async def _connect(self) -> Connection:
-        while self._open >= self.max_open:  # wait for a connection to be given up
+    async def _connection(self) -> Connection:
+        """An idle connection, or a new one; at ``max_open``, the first of either that frees
+        up (within the connect timeout)."""
+        connection = self._take_idle()
+        while connection is None:
+            if self._open < self.max_open:
+                return await self._connect()
             slot = asyncio.get_running_loop().create_future()
             self._slots.append(slot)
             try:
@@ -359,6 +390,10 @@ class Pool:
             finally:
                 if not slot.done():
                     slot.cancel()
+            connection = self._take_idle()
+        return connection
+
+    async def _connect(self) -> Connection:
         self._open += 1
         loop = asyncio.get_running_loop()
         try:
@@ -376,6 +411,10 @@ class Pool:
 
     def _given_up(self) -> None:
         self._open -= 1
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        """A caller waiting for a connection may go on (one freed up or went idle)."""
         while self._slots:
             slot = self._slots.popleft()
             if not slot.done():
@@ -409,7 +448,7 @@ class Pool:
             f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.hostport}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
-        connection = self._take_idle() or await self._connect()
+        connection = await self._connection()
         if connection.transport is None:
             self._drop(connection)
             raise WireError("the connection has no transport", answered=False, written=False)
@@ -433,6 +472,7 @@ class Pool:
             connection.busy = False
             connection.idle_since = asyncio.get_running_loop().time()
             self._idle.append(connection)
+            self._wake_one()
             return
         connection.busy = False
         self._drop(connection)
