@@ -313,7 +313,9 @@ class Writer:
                 assert step is not None
                 job.step = Step(step.replica, step.generation, step.digest, step.exact, now_ms)
         pipe = self._client.pipeline(transaction=False)
-        horizon = time.time() * 1000 - (self._cfg.step_ttl_s - 60) * 1000
+        # Older than its step key's life (less a margin for clocks): the key may be gone.
+        ttl = self._cfg.step_ttl_s
+        horizon = time.time() * 1000 - (ttl - min(60, ttl / 2)) * 1000
         for job in jobs:
             step = job.step
             assert step is not None
