@@ -26,10 +26,14 @@ from typing import Any, Protocol
 class BackendError(Exception):
     """A replica could not serve a request."""
 
-    def __init__(self, replica: str, message: str) -> None:
+    def __init__(self, replica: str, message: str, *, written: bool = False) -> None:
         super().__init__(f"replica {replica}: {message}")
         self.replica = replica
         self.detail = message
+        # The request reached the replica (its bytes were written) and no answer says what
+        # became of it: the replica may have run it, so its cache state is unknown from here.
+        # Such a request is never sent to that replica again.
+        self.written = written
 
 
 class BackendUnavailable(BackendError):

@@ -39,7 +39,10 @@ from the last event.
 Errors, into the tree of ``backends.base``: nothing streamed and the replica unreachable (refused,
 reset, 503, model not found) is :class:`BackendUnavailable`, so production fails over; the
 replica refusing the input (400) :class:`BackendRejected`; anything after acceptance
-:class:`BackendFailed`.
+:class:`BackendFailed`. A connection that failed after the request was written (the replica
+may have run it: it read the request, then closed, or the answer broke off) says so with
+``written`` (never sent twice: ``backends.triton_http_wire``), so that the dispatcher records
+the replica's cache state as unknown before it fails over.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ class TritonHttpBackend(TritonBackend):
         try:
             return await self._pool.post(path, request_body(self.target, request))
         except WireError as exc:
-            raise BackendUnavailable(self.replica_id, str(exc)) from exc
+            raise BackendUnavailable(self.replica_id, str(exc), written=exc.written) from exc
         except asyncio.CancelledError:
             # Left before the first response (Triton sends the headers with it, so a long
             # prefill is spent here): the connection is closed; the engine is asked to stop.
@@ -152,7 +155,7 @@ class TritonHttpBackend(TritonBackend):
             yield Chunk(str(text) if text else "", True, parse_stats(outputs), passed)
         except WireError as exc:  # the answer had begun: the request reached the engine
             failed = True
-            raise BackendFailed(self.replica_id, str(exc)) from exc
+            raise BackendFailed(self.replica_id, str(exc), written=True) from exc
         except BackendError:
             failed = True
             raise
@@ -214,7 +217,7 @@ class TritonHttpBackend(TritonBackend):
         except WireError as exc:
             failed = True
             kind = BackendFailed if produced else BackendUnavailable
-            raise kind(self.replica_id, str(exc)) from exc
+            raise kind(self.replica_id, str(exc), written=True) from exc
         except BackendError:
             failed = True
             raise

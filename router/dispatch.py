@@ -5,6 +5,11 @@ The chain advances once when the request ends, whatever the ending (a cancelled 
 touched the cache), in one Redis call that also writes the record; the record's
 ``state_before`` is the head that step advanced from. In production a replica that cannot be
 reached is skipped for the next candidate, but only while nothing has been streamed.
+
+A request whose bytes reached a replica that then failed without an answer (``written`` on the
+backend's error) may have run there: before it moves on, its record (status ``error``) steps
+that replica's chain to an unknown state (``Ledger.lost``), and the record of the replica that
+then serves it says which one it left and why (``warning``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from backends.base import BackendFailed, BackendRejected, BackendUnavailable
+from backends.base import BackendError, BackendFailed, BackendRejected, BackendUnavailable
 from policies import (
     Decision,
     NoReplicaAvailable,
@@ -27,7 +32,7 @@ from router.errors import BadRequest, NotFound, Unavailable, UpstreamFailed
 from router.fleet import Fleet, ReplicaState
 from router.flight import Flight, Parsed, take_off
 from router.ledger import Ledger
-from router.ledger.records import Admission, Outcome, Principal, make_record
+from router.ledger.records import Admission, Outcome, Principal, RecordInput, make_record
 from router.metrics import Metrics
 
 _log = structlog.get_logger("kvledger.dispatch")
@@ -71,11 +76,12 @@ class Dispatcher:
         )
         decision, features = self.select(parsed)
         failures: list[str] = []
+        lost: list[str] = []  # replicas it was written to without an answer
         for replica_id in decision.candidates:
             replica = self.fleet[replica_id]
             if not replica.takes_production:
                 continue
-            flight = await self._try(parsed, principal, replica, decision, features, failures)
+            flight = await self._try(parsed, principal, replica, decision, features, failures, lost)
             if flight is not None:
                 return flight
         raise Unavailable(
@@ -91,10 +97,12 @@ class Dispatcher:
         decision: Decision,
         features: RequestFeatures,
         failures: list[str],
+        lost: list[str],
     ) -> Flight | None:
         # The policy learns what went where (and when) before the next request is selected.
         self.policy.on_start(replica.id, features, time.monotonic())
-        admission = Admission(replica.id, replica.generation, replica.engine_digest)
+        moved = ("moved after " + "; ".join(lost)) if lost else None
+        admission = Admission(replica.id, replica.generation, replica.engine_digest, None, moved)
         started = time.perf_counter()
         try:
             return await take_off(self, parsed, principal, replica, decision, admission)
@@ -109,12 +117,29 @@ class Dispatcher:
             raise
         except BaseException as exc:
             self.policy.on_finish(replica.id)
+            if isinstance(exc, BackendError) and exc.written:
+                waited = time.perf_counter() - started
+                parts = Flight.parts(parsed, principal, replica, decision, admission)
+                reason = await asyncio.shield(self._lost(parts, exc, waited))
+                lost.append(reason)
             if isinstance(exc, BackendUnavailable):
                 replica.healthy = False  # the monitor brings it back when it answers again
                 failures.append(str(exc))
                 _log.warning("replica_unavailable", replica=replica.id, error=exc.detail)
                 return None
             raise translate(exc) from exc
+
+    async def _lost(self, parts: RecordInput, exc: BackendError, waited: float) -> str:
+        """Record a request written to a replica that failed without an answer (see the
+        module docstring); returns the reason, which the record carries."""
+        reason = (
+            f"written to replica {exc.replica}, which failed without an answer ({exc.detail}):"
+            " it may have run it, so its cache state is unknown from here"
+        )
+        outcome = Outcome("error", "", None, waited, waited)
+        record = await self.ledger.lost(make_record(parts, outcome), reason)
+        _log.warning("request_lost", replica=exc.replica, error=exc.detail, seq=record["seq"])
+        return reason
 
     async def settle(self, flight: Flight, outcome: Outcome) -> dict[str, Any]:
         record = make_record(flight.record_input(), outcome)

@@ -29,7 +29,7 @@ from router.fleet import Fleet, ReplicaState
 from router.flight import Flight, Parsed, take_off
 from router.ledger import Ledger, LedgerError
 from router.ledger.core import Fence
-from router.ledger.records import Admission, Outcome, Principal, make_record
+from router.ledger.records import Admission, Outcome, Principal, RecordInput, make_record
 from router.ledger.turns import Turn, Turns
 from router.metrics import Metrics
 from router.settings import EvalSettings
@@ -156,6 +156,9 @@ class EvalDispatcher:
                 failure=lambda m: Unavailable(f"run {run['id']}: {m}"),
             )
         except BaseException as exc:
+            if isinstance(exc, BackendError) and exc.written:
+                parts = Flight.parts(parsed, principal, replica, decision, admission)
+                raise await asyncio.shield(self._lost(run, parts, exc)) from exc
             raise await self._first_failed(run, replica, exc) from exc
         flight.context = EvalTurn(run, turn, before, Keeping())
         return flight
@@ -181,6 +184,25 @@ class EvalDispatcher:
         ):
             return await self._replica_failed(run, replica, exc)
         return translate(exc)
+
+    async def _lost(self, run: Meta, parts: RecordInput, exc: BackendError) -> KvlError:
+        """The request was written to the run's replica, which failed without an answer: it
+        may have run there unrecorded, so the replica's state is unknown from here (its record
+        steps the chain there, ``Ledger.lost``) and the run is broken with the reason."""
+        reason = (
+            f"its request {parts.request.request_id} was written to replica {exc.replica},"
+            f" which failed without an answer ({exc.detail}): the replica may have run it,"
+            " so its cache state is unknown from here"
+        )
+        outcome = Outcome("error", "", None, 0.0, 0.0)
+        try:
+            await self.ledger.lost(make_record(parts, outcome), reason)
+        finally:
+            await self.runs.fail(run["id"], reason, status="broken")
+        return Unavailable(
+            f"run {run['id']} broken: {reason}; begin a new run (kvledger runs begin {run['arm']})",
+            headers={"Retry-After": "5", "X-Kvl-Run": run["id"]},
+        )
 
     async def _count(self, replica: ReplicaState, run: Meta) -> int:
         try:

@@ -204,9 +204,25 @@ class Ledger:
         LedgerUnavailable when Redis failed: the caller defers it and the run is broken."""
         return await self._step(record, exact, fence)
 
-    def defer(self, record: Record, exact: bool, *, tried: bool) -> Record:
+    async def lost(self, record: Record, reason: str) -> Record:
+        """A request written to its replica that failed without an answer: the replica may
+        have run it (a cache touch no other record mentions), so its state is unknown from
+        here. The record (its status ``error``, ``reason`` its warning) steps the chain to a
+        fresh unknown state and says so (``unordered: true``, ``exact: false``): one Redis
+        call, as :meth:`commit`; deferred (and then run the same way) while Redis is away."""
+        record["warning"] = reason
+        if not self.redis_up:
+            return self.defer(record, False, tried=True, uncertain=True)
+        try:
+            return await self._step(record, False, None, uncertain=True)
+        except LedgerUnavailable:
+            return self.defer(record, False, tried=True, uncertain=True)
+
+    def defer(self, record: Record, exact: bool, *, tried: bool, uncertain: bool = False) -> Record:
         """Answer ``record`` pending and queue its step, in submit order; ``tried`` says the
-        step was sent and may have run (its retry then relies on the step key)."""
+        step was sent and may have run (its retry then relies on the step key and the record
+        key); ``uncertain``: the request may have run unrecorded at any time, so its step moves
+        the chain to an unknown state (``tried_ms`` 0: see ``Writer._pipeline_steps``)."""
         # Nothing is known of its step yet: no chain fields, and not exact.
         fields = dict.fromkeys(CHAIN_FIELDS)
         record.update(fields, pending=True, stale=False, unordered=False, exact=False)
@@ -215,12 +231,14 @@ class Ledger:
             int(record["generation"]),
             str(record["digest"]),
             exact,
-            int(time.time() * 1000) if tried else None,
+            0 if uncertain else int(time.time() * 1000) if tried else None,
         )
         self._writer.put(job_from_record(record, template(record), step))
         return record
 
-    async def _step(self, record: Record, exact: bool, fence: Fence | None) -> Record:
+    async def _step(
+        self, record: Record, exact: bool, fence: Fence | None, *, uncertain: bool = False
+    ) -> Record:
         data = template(record)
         replica, request_id = str(record["replica"]), str(record["request_id"])
         keys = step_keys(replica, request_id)
@@ -239,6 +257,8 @@ class Ledger:
             keys += [replica_key(replica, "turn"), replica_key(replica, "run")]
             args += [fence.token, fence.run, fence.count]
             script = self._scripts.fenced_step
+        elif uncertain:
+            script = self._scripts.uncertain_step
         step = advance_from(replica, await self._run(script, keys, args))
         if step is None:  # Redis lost the chain: start an unknown one, then step (stale)
             await self._ensure_unknown(replica, str(record["engine_digest"]))

@@ -52,8 +52,10 @@ class LedgerReader:
             found = [raw for raw in await pipe.execute() if raw is not None]
         if not found:
             return None
-        record: dict[str, Any] = orjson.loads(found[0])
-        return record
+        # A request written to one replica that failed without an answer, then served by
+        # another, has a record on each: the latest (the one its client got) is the answer.
+        records: list[dict[str, Any]] = [orjson.loads(raw) for raw in found]
+        return max(records, key=lambda r: str(r.get("at") or ""))
 
     async def tail(
         self,

@@ -18,7 +18,10 @@ generation began), ``since`` and ``reason``.
   ``state_after``, ``state_known``, ``stale``, ``unordered`` and ``exact`` (in that order, the
   exact bytes of ``router.ledger.records.with_chain``), adds it to the replica's lineage stream
   and remembers its answer under the request's step key, so a retry (its reply was lost) gets
-  the first answer: the chain never steps twice and the record is never written twice.
+  the first answer: the chain never steps twice and the record is never written twice. A retry
+  after the step key expired still finds the request's record (its key lives for
+  ``request_ttl_s``, days) and answers from it, so only a retry later than that can step twice,
+  and then as an uncertain step (below), never as a second certain one.
 - ``FENCED_STEP``: the eval variant, under the run's turn: it also stores the run's request
   counter; when the caller's fence token no longer holds the turn, the request still touched
   the cache but its order is lost, so the chain moves to a fresh unknown state
@@ -95,6 +98,17 @@ return start(gen, ARGV[2], ARGV[5], ARGV[1], ARGV[3], ARGV[4], tonumber(ARGV[6])
 _STEP = """
 local function bool(b) if b then return 'true' else return 'false' end end
 local function str(s) if s then return '"' .. s .. '"' else return 'null' end end
+local function answer_of(raw)
+  local r = cjson.decode(raw)
+  local function word(v) if v == nil or v == cjson.null then return '-' end return tostring(v) end
+  local status = 'ok'
+  if r['stale'] == true then status = 'stale'
+  elseif r['unordered'] == true then status = 'unordered' end
+  local seq = 'null'
+  if r['seq'] ~= nil and r['seq'] ~= cjson.null then seq = string.format('%d', r['seq']) end
+  return table.concat({status, string.format('%d', r['generation']), seq, word(r['state_before']),
+                       word(r['state_after']), r['state_known'] == true and '1' or '0'}, ' ')
+end
 local function finish(status, gen, seq, before, after, known, exact)
   local s = 'null'
   if seq then s = tostring(seq) end
@@ -111,6 +125,8 @@ local function finish(status, gen, seq, before, after, known, exact)
 end
 local done = redis.call('GET', KEYS[2])
 if done then return done end
+local prior = redis.call('GET', KEYS[4])
+if prior then return answer_of(prior) end
 local cur = redis.call('HMGET', KEYS[1], 'generation', 'seq', 'state', 'known')
 if not cur[1] then return 'nochain' end
 local lost = FENCE_LOST

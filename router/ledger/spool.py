@@ -11,6 +11,11 @@ point loses nothing: at worst a batch is written again (readers drop repeated re
 late chain steps are idempotent through their step keys). A torn last line (a crash
 mid-append) is cut off when the spool is opened; an ``flock`` keeps two processes off one spool.
 
+``<spool>.tried`` lists the request ids (with the time, epoch ms) whose late step the writer
+sent to Redis, written and fsynced *before* the send: a spool line is never rewritten, so a
+step whose reply was lost would otherwise be read back as never tried, and retried after its
+step key expired it could run as a second certain step. It is emptied with the spool.
+
 Writes are a single ``write`` of a few hundred lines at most, on the event loop: that costs
 microseconds (the page cache takes them) and keeps every append in order without a lock.
 ``fsync`` (milliseconds or worse) and reading back for a drain run in a thread.
@@ -99,6 +104,8 @@ class Spool:
     def __init__(self, path: Path, log: structlog.typing.FilteringBoundLogger) -> None:
         self.path = path
         self.marker = path.with_name(path.name + ".done")
+        self.tried_path = path.with_name(path.name + ".tried")
+        self.tried: dict[str, int] = {}  # request id -> when its step was first sent (ms)
         self._log = log
         self._fd: int | None = None
         self._torn = False  # a failed write may have left half a line at the end
@@ -124,6 +131,52 @@ class Spool:
         self.done = min(self._read_marker(), self.size)
         self._cut_torn_tail()
         self.count = self._count_lines(self.done, self.size)
+        self.tried = self._read_tried() if self.pending else {}
+
+    def mark_tried(self, request_ids: Sequence[str], at_ms: int) -> None:
+        """Note (durably: blocking, run it in a thread) that these steps are about to be sent."""
+        fresh = [rid for rid in request_ids if rid not in self.tried]
+        if fresh:
+            lines = "".join(f"{rid} {at_ms}\n" for rid in fresh).encode()
+            fd = os.open(self.tried_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, lines)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for rid in fresh:
+            self.tried[rid] = at_ms
+
+    def with_tried(self, job: Job) -> Job:
+        """``job`` with the time its step was first sent, when the tried list has it."""
+        step = job.step
+        if step is not None and step.tried_ms is None and job.request_id in self.tried:
+            job.step = Step(
+                step.replica, step.generation, step.digest, step.exact, self.tried[job.request_id]
+            )
+        return job
+
+    def _read_tried(self) -> dict[str, int]:
+        tried: dict[str, int] = {}
+        try:
+            text = self.tried_path.read_text()
+        except OSError:
+            return tried
+        for line in text.splitlines():
+            rid, _, at = line.rpartition(" ")
+            if rid and at.isdigit():
+                tried.setdefault(rid, int(at))
+        return tried
+
+    def _forget_tried(self) -> None:
+        self.tried = {}
+        try:
+            os.truncate(self.tried_path, 0)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            path = str(self.tried_path)
+            self._log.error("ledger_tried_truncate_failed", path=path, error=str(exc))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -214,6 +267,7 @@ class Spool:
             self._log.error("ledger_spool_truncate_failed", path=str(self.path), error=str(exc))
             return False
         self.size = self.done = self.count = 0
+        self._forget_tried()
         return True
 
     def _rewind(self, exc: OSError) -> None:

@@ -10,14 +10,21 @@ in a FIFO. A caller that gives up (its deadline) leaves its future cancelled in 
 reply, when it comes, is read and dropped, so the connection stays in step. A lost connection
 fails every waiting command with ConnectionError (an OSError, which the ledger counts as Redis
 being away) and the next call connects again. A command's deadline is a timer on its future
-(TimeoutError), not a cancellation of its caller. A command sent on an idle connection (no
-reply awaited) is written at once: the request it belongs to waits on nothing else, and a turn of
-the event loop would add its time to the round trip. Under load (replies awaited), the commands
+(TimeoutError), not a cancellation of its caller. A command past its deadline also closes the
+connection (failing the others still waiting on it): a connection that went silent (a NAT or a
+failover that drops its packets) would otherwise time out every later command until the kernel
+gave up on it, some fifteen minutes; the chain step is idempotent (its step key), so the
+callers' retries on the next connection run each step once. The socket has ``SO_KEEPALIVE``
+(probes after 10 s idle) so that an idle connection that died is found too.
+
+A command sent on an idle connection (no reply awaited) is written at once: the request it
+belongs to waits on nothing else, and a turn of the event loop would add its time to the round
+trip. Under load (replies awaited), the commands
 sent during one turn of the loop leave in one write, after it (many requests end in one turn).
 Replies are parsed by hiredis' reader (the one redis-py uses): bulk strings as bytes, integers
 as int, arrays as lists, an error reply raised as :class:`redis.exceptions.ResponseError`.
 ``NOSCRIPT`` (Redis restarted, its script cache empty) runs the script by ``EVAL``, which
-caches it again.
+caches it again, within what is left of the same deadline.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import collections
 import heapq
 import itertools
 import math
+import socket
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -131,10 +139,15 @@ class _Protocol(asyncio.Protocol):
         deadlines, now = self._deadlines, self._loop.time()
         # Answered commands leave the heap here, not when answered: the timer then fires about
         # once per deadline, not once per command.
+        expired = 0.0
         while deadlines and (deadlines[0][0] <= now or deadlines[0][2].done()):
             _, _, future, timeout_s = heapq.heappop(deadlines)
             if not future.done():  # else answered (or failed) meanwhile
                 future.set_exception(TimeoutError(f"no reply within {timeout_s:g} s"))
+                expired = timeout_s
+        if expired:  # the connection may have gone silent: never wait on it again
+            self.connection_lost(TimeoutError(f"no reply within {expired:g} s"))
+            deadlines.clear()
         if deadlines:
             self._arm(deadlines[0][0])
 
@@ -196,11 +209,17 @@ class Wire:
         """Run ``script`` (redis-py's, registered on a client) by its hash, or by its text when
         Redis does not have it cached."""
         tail = [len(keys), *keys, *args]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         try:
             return await self.call("EVALSHA", script.sha, *tail, timeout_s=timeout_s)
         except ResponseError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
+        if timeout_s is not None:  # one deadline for both calls
+            timeout_s -= loop.time() - start
+            if timeout_s <= 0:
+                raise TimeoutError("no reply within the deadline (EVALSHA, then EVAL)")
         return await self.call("EVAL", script.script, *tail, timeout_s=timeout_s)
 
     def close(self) -> None:
@@ -223,6 +242,7 @@ class Wire:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout_s):
             _, protocol = await loop.create_connection(_Protocol, self.host, self.port)
+            _keepalive(protocol.transport)
             setup = []
             if self._auth:
                 setup.append(protocol.send(pack(["AUTH", *self._auth])))
@@ -235,3 +255,16 @@ class Wire:
                     protocol.transport.close()
                 raise
         return protocol
+
+
+def _keepalive(transport: asyncio.BaseTransport | None) -> None:
+    """TCP keepalive on the connection: probes after 10 s idle, every 5 s, 3 unanswered close
+    it (where the platform lets the times be set)."""
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)

@@ -42,7 +42,7 @@ from router.ledger.schema import (
     stream_fields,
 )
 from router.ledger.scripts import Scripts
-from router.ledger.spool import Job, Spool, job_from_line
+from router.ledger.spool import Job, Spool, Step, job_from_line
 
 BATCH = 256  # records per Redis pipeline and per spool write
 
@@ -231,7 +231,7 @@ class Writer:
         bad: list[int] = []
         for end, line in lines:
             try:
-                jobs.append(job_from_line(line))
+                jobs.append(self.spool.with_tried(job_from_line(line)))
             except (ValueError, KeyError, TypeError, IndexError):
                 if line.strip():
                     bad.append(end)
@@ -297,9 +297,25 @@ class Writer:
 
     async def _pipeline_steps(self, jobs: list[Job]) -> list[object]:
         """Every job's step in one pipeline. A step that was sent before and may have run
-        long ago (its step key may have expired) is run as *uncertain*: see ``scripts``."""
+        long ago (its step key may have expired) is run as *uncertain*: see ``scripts``.
+        Every step is marked tried before it is sent (in memory and in the spool's tried
+        list), so that a lost reply never makes its retry look like a first try."""
+        fresh = [job for job in jobs if job.step is not None and job.step.tried_ms is None]
+        if fresh:
+            now_ms = int(time.time() * 1000)
+            try:
+                ids = [j.request_id for j in fresh]
+                await asyncio.to_thread(self.spool.mark_tried, ids, now_ms)
+            except OSError as exc:  # still marked in memory, for as long as this process lives
+                self._log.error("ledger_tried_write_failed", error=str(exc))
+            for job in fresh:
+                step = job.step
+                assert step is not None
+                job.step = Step(step.replica, step.generation, step.digest, step.exact, now_ms)
         pipe = self._client.pipeline(transaction=False)
-        horizon = time.time() * 1000 - (self._cfg.step_ttl_s - 60) * 1000
+        # Older than its step key's life (less a margin for clocks): the key may be gone.
+        ttl = self._cfg.step_ttl_s
+        horizon = time.time() * 1000 - (ttl - min(60, ttl / 2)) * 1000
         for job in jobs:
             step = job.step
             assert step is not None
