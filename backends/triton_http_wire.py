@@ -39,6 +39,7 @@ import asyncio
 import collections
 import os
 import socket
+import time
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -429,7 +430,7 @@ class Pool:
 
     def _take_idle(self) -> Connection | None:
         """The most recently used idle connection that is not known dead or expired."""
-        expired_before = asyncio.get_running_loop().time() - self.idle_expiry_s
+        expired_before = time.monotonic() - self.idle_expiry_s  # no get_running_loop: a getpid
         while self._idle:
             connection = self._idle.pop()
             if connection.idle_since < expired_before or connection.dead():
@@ -470,7 +471,7 @@ class Pool:
         closed (which tells the replica that its client left)."""
         if response.complete and connection.reusable() and len(self._idle) < self.max_idle:
             connection.busy = False
-            connection.idle_since = asyncio.get_running_loop().time()
+            connection.idle_since = time.monotonic()
             self._idle.append(connection)
             self._wake_one()
             return
