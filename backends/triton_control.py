@@ -135,10 +135,11 @@ class TritonControl:
         await self._call(self._client.load_model(self.target.model), timeout_s)
 
     async def reset(self, timeout_s: float) -> None:
-        """Unload (returns at once), wait until the model and its engine model are gone (a load
-        issued while one is still UNLOADING may keep it), then load (blocks till ready), all
-        within ``timeout_s``. A model that is not loaded (an earlier reset was interrupted) is
-        only loaded."""
+        """Unload (returns at once), wait until the model and its engine model are gone and no
+        model of the repository is still UNLOADING (a load issued while one is may keep it: the
+        ensemble's ``preprocessing`` and ``postprocessing`` finish unloading up to 0.35 s after
+        ``tensorrt_llm``), then load (blocks till ready), all within ``timeout_s``. A model that
+        is not loaded (an earlier reset was interrupted) is only loaded."""
         deadline = time.monotonic() + timeout_s
         if await self.model_state() in ("READY", "UNLOADING", "LOADING"):
             await self.unload()
@@ -147,6 +148,7 @@ class TritonControl:
         while True:
             states = await self.model_states()
             held = {name: states.get(name) for name in names}
+            held.update({name: state for name, state in states.items() if state == "UNLOADING"})
             if all(state not in ("READY", "UNLOADING") for state in held.values()):
                 break
             if time.monotonic() > deadline:
