@@ -29,7 +29,6 @@ from typing import Any
 import aiohttp
 import grpc
 import numpy as np
-import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from backends.base import (
@@ -182,10 +181,9 @@ class TritonBackend:
     def __init__(self, target: TritonTarget, http: aiohttp.ClientSession) -> None:
         self.target = target
         self.replica_id = target.replica_id
-        self._client = grpcaio.InferenceServerClient(target.grpc)  # model control, statistics
         self._streams = StreamChannel(target.grpc)  # generations
         self._constant = constant_inputs(target)
-        self.control = TritonControl(target, self._client, http)
+        self.control = TritonControl(target, None, http)  # model control, statistics
         self._stops: set[asyncio.Task[None]] = set()
         # Stop requests sent to the engine model (continuity: a C++ backend does not count
         # them in the request counter, a Python one does; router.eval.continuity).
@@ -318,7 +316,12 @@ class TritonBackend:
         return await self.control.engine_facts()
 
     async def counters(self) -> ReplicaCounters:
-        return await self.control.counters()
+        counters = await self.control.counters()
+        if counters.ready and self.control.take_renewed():
+            # Ready on a fresh control channel after failed probes (a restart): the streams'
+            # channel failed too and may be waiting out its backoff; generations use a new one.
+            self._streams.renew(self.target.timeout_s)
+        return counters
 
     async def request_count(self) -> int:
         return await self.control.request_count()
@@ -327,4 +330,4 @@ class TritonBackend:
         for task in list(self._stops):
             task.cancel()
         await self._streams.close()
-        await self._client.close()
+        await self.control.close()

@@ -1,8 +1,11 @@
 """The management side of a Triton replica: readiness, model control, counters, engine digest.
 
 Model control (unload, load), statistics and configs go over the replica's gRPC channel; the
-metrics page (TensorRT-LLM's gauges) over HTTP. Counters and the reset use the *engine model*
-(``tensorrt_llm``), the one every path to the KV cache goes through (see :mod:`backends.triton`).
+metrics page (TensorRT-LLM's gauges) over HTTP. A readiness probe that finds the replica
+unreachable (UNAVAILABLE) makes the next probe open a fresh channel: the old one would wait out
+gRPC's reconnect backoff, seconds after a restarted replica is ready (``backends.triton_grpc``).
+Counters and the reset use the *engine model* (``tensorrt_llm``), the one every path to the KV
+cache goes through (see :mod:`backends.triton`).
 """
 
 from __future__ import annotations
@@ -11,19 +14,18 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import orjson
+import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from backends.base import BackendFailed, BackendUnavailable, EngineFacts, ReplicaCounters
 from backends.engine_dir import EngineDir, max_input_len
 from backends.engine_limits import engine_limits, tokens_per_block
+from backends.triton_grpc import channel_options
 from backends.triton_target import TritonTarget
-
-if TYPE_CHECKING:
-    import tritonclient.grpc.aio as grpcaio
 
 _KV = "nv_trt_llm_kv_cache_block_metrics"
 # The CPU stand-in's count of requests as TensorRT-LLM's C++ backend reports them to Triton's
@@ -79,28 +81,52 @@ class TritonControl:
     def __init__(
         self,
         target: TritonTarget,
-        client: grpcaio.InferenceServerClient,
+        client: grpcaio.InferenceServerClient | None,
         http: aiohttp.ClientSession,
     ) -> None:
+        """``client``: a caller's own, which it closes (None: this opens and closes its own)."""
         self.target = target
         self.replica_id = target.replica_id
-        self._client = client
+        self._borrowed = client
+        self._client = self._open() if client is None else client
+        self._unreachable = False  # the last probe could not reach it: the next one renews
+        self._renewed = False  # a fresh channel replaced a failed one (see take_renewed)
         self._http = http
         self._engine = EngineDir(target.replica_id)
         self._gpt_model_path: str | None = None  # as the engine model's config last said
         self._last_count: int | None = None
         self._sim_count = False  # the metrics page has SIM_REQUESTS: count with it
 
+    def _open(self) -> grpcaio.InferenceServerClient:
+        return grpcaio.InferenceServerClient(self.target.grpc, channel_args=channel_options())
+
     async def ready(self) -> bool:
+        if self._unreachable:
+            # Calls in flight on the old channel are to a server it could not reach.
+            old, self._client = self._client, self._open()
+            self._unreachable, self._renewed = False, True
+            if old is not self._borrowed:
+                await old.close()
         try:
             timeout = self.target.timeout_s
             live = await self._client.is_server_ready(client_timeout=timeout)
             model_ready = await self._client.is_model_ready(
                 self.target.model, client_timeout=timeout
             )
-        except InferenceServerException:
+        except InferenceServerException as exc:
+            self._unreachable = "UNAVAILABLE" in (exc.status() or "")
             return False
         return bool(live and model_ready)
+
+    def take_renewed(self) -> bool:
+        """True once after the control channel was replaced (the replica was unreachable):
+        the caller's own channels to it may be waiting out a backoff too."""
+        renewed, self._renewed = self._renewed, False
+        return renewed
+
+    async def close(self) -> None:
+        if self._client is not self._borrowed:
+            await self._client.close()
 
     async def unload(self) -> None:
         await self._call(self._client.unload_model(self.target.model, unload_dependents=True))
@@ -109,10 +135,11 @@ class TritonControl:
         await self._call(self._client.load_model(self.target.model), timeout_s)
 
     async def reset(self, timeout_s: float) -> None:
-        """Unload (returns at once), wait until the model and its engine model are gone (a load
-        issued while one is still UNLOADING may keep it), then load (blocks till ready), all
-        within ``timeout_s``. A model that is not loaded (an earlier reset was interrupted) is
-        only loaded."""
+        """Unload (returns at once), wait until the model and its engine model are gone and no
+        model of the repository is still UNLOADING (a load issued while one is may keep it: the
+        ensemble's ``preprocessing`` and ``postprocessing`` finish unloading up to 0.35 s after
+        ``tensorrt_llm``), then load (blocks till ready), all within ``timeout_s``. A model that
+        is not loaded (an earlier reset was interrupted) is only loaded."""
         deadline = time.monotonic() + timeout_s
         if await self.model_state() in ("READY", "UNLOADING", "LOADING"):
             await self.unload()
@@ -121,6 +148,7 @@ class TritonControl:
         while True:
             states = await self.model_states()
             held = {name: states.get(name) for name in names}
+            held.update({name: state for name, state in states.items() if state == "UNLOADING"})
             if all(state not in ("READY", "UNLOADING") for state in held.values()):
                 break
             if time.monotonic() > deadline:

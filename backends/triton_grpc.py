@@ -16,11 +16,36 @@ from typing import Any
 
 import grpc
 import numpy as np
-from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.grpc import InferResult, KeepAliveOptions, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 Input = tuple[str, str, np.ndarray[Any, Any]]  # name, Triton datatype, value with batch dim
 _MAX_MESSAGE = 2**31 - 1  # as tritonclient: a long prompt or output must not hit gRPC's 4 MiB
+# gRPC's reconnect backoff (1 s, times 1.6 an attempt, up to 120 s) grows to many seconds while
+# a replica's port refuses connections: a replica that was down for half a minute was back and
+# ready while the channel still waited ~9 s before trying again, and every call meanwhile failed
+# at once with UNAVAILABLE. Capped at 1 s; a channel that failed is also replaced by a fresh
+# one (``StreamChannel.renew``, ``TritonControl``), which connects at its first call.
+_BACKOFF = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+def channel_options() -> list[tuple[str, Any]]:
+    """The options of every channel to a replica: tritonclient's own (message sizes, keepalive)
+    and a short reconnect backoff."""
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", _MAX_MESSAGE),
+        ("grpc.max_receive_message_length", _MAX_MESSAGE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        *_BACKOFF,
+    ]
 
 
 def tensor(name: str, value: Any, dtype: Any, triton_type: str) -> Input:
@@ -67,12 +92,22 @@ class StreamChannel:
     """The gRPC channel that carries a replica's inference streams (HTTP/2, no set-up each)."""
 
     def __init__(self, url: str) -> None:
-        options = [
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
-        ]
-        self._channel = grpc.aio.insecure_channel(url, options=options)
+        self._url = url
+        self._closing: set[asyncio.Task[None]] = set()
+        self._connect()
+
+    def _connect(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self._url, options=channel_options())
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    def renew(self, grace_s: float) -> None:
+        """Carry new streams on a fresh channel (one that waits out no backoff); the old one
+        closes once its streams ended, or after ``grace_s``."""
+        old = self._channel
+        self._connect()
+        task = asyncio.ensure_future(old.close(grace=grace_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def open(self, request: service_pb2.ModelInferRequest, done: asyncio.Event) -> StreamCall:
         """Send ``request`` and keep our side of the stream open until ``done`` is set: once a
@@ -86,3 +121,6 @@ class StreamChannel:
 
     async def close(self) -> None:
         await self._channel.close()
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)

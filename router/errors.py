@@ -9,7 +9,8 @@
      │    ├── Unauthorized          401 missing or unknown API key, wrong admin token
      │    ├── NotFound              404 unknown model, request id, run or replica
      │    ├── Conflict              409 the state does not allow it (e.g. a replica is leased)
-     │    └── PayloadTooLarge       413 body over the configured limit
+     │    ├── PayloadTooLarge       413 body over the configured limit
+     │    └── UnsupportedMediaType  415 a Content-Encoding the proxy cannot decode
      └── ServiceError               5xx: ours or a replica's
           ├── Unavailable           503 no replica can serve; eval without Redis (Retry-After)
           ├── UpstreamFailed        502 the replica failed after accepting the request
@@ -70,6 +71,11 @@ class Conflict(ClientError):
 class PayloadTooLarge(ClientError):
     status = 413
     code = "request_too_large"
+
+
+class UnsupportedMediaType(ClientError):
+    status = 415
+    code = "unsupported_content_encoding"
 
 
 class ServiceError(KvlError):

@@ -194,6 +194,9 @@ class Fleet:
 
     def __init__(self, replicas: Mapping[str, ReplicaState]) -> None:
         self._replicas = dict(replicas)
+        # Health checks of the whole fleet completed (kvl_monitor_ticks_total): what "one
+        # monitor interval later" means, to a test or an operator, without a clock.
+        self.monitor_ticks = 0
         # Asked twice a request: made once (the fleet's replicas are fixed at start).
         self._serving: dict[str, tuple[ReplicaState, ...]] = {}
         for replica in self._replicas.values():

@@ -36,7 +36,7 @@ class _FleetCollector(Collector):
         self._fleet = fleet
         self._ledger_stats = ledger_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         gen = GaugeMetricFamily("kvl_replica_generation", "Cache generation", labels=["replica"])
         ready = GaugeMetricFamily("kvl_replica_ready", "1 if ready", labels=["replica"])
         flight = GaugeMetricFamily(
@@ -65,6 +65,9 @@ class _FleetCollector(Collector):
         up = GaugeMetricFamily("kvl_ledger_redis_up", "1 while Redis answers")
         up.add_metric([], 1.0 if stats.get("redis_up") else 0.0)
         yield up
+        ticks = CounterMetricFamily("kvl_monitor_ticks", "Health checks of the whole fleet done")
+        ticks.add_metric([], float(self._fleet.monitor_ticks))
+        yield ticks
 
 
 class _Histogram:

@@ -82,6 +82,7 @@ class Monitor:
             except Exception as exc:  # noqa: BLE001 - health checks must go on whatever it raised
                 _log.warning("monitor_hook_failed", error=str(exc), kind=type(exc).__name__)
         await asyncio.gather(*(self.check(r) for r in self.fleet))
+        self.fleet.monitor_ticks += 1
 
     async def check(self, replica: ReplicaState) -> None:
         if replica.paused:

@@ -87,6 +87,7 @@ async def _serve(app: web.Application, settings: Settings, print_ready: bool) ->
         access_log=None,
         handler_cancellation=True,
         keepalive_timeout=75.0,
+        auto_decompress=False,  # bodies are decoded by router.http.decode, every coding named
     )
     await runner.setup()
     try:

@@ -4,8 +4,9 @@ Headers are the client's bytes like the body is: aiohttp decodes them as UTF-8 a
 undecodable byte as a lone surrogate, which would fail later (hashing a key, writing a record).
 So every header the proxy reads is checked here, once, and a bad one is a 4xx naming it: one
 value only (a second ``Authorization`` is refused, not ignored), keys printable ASCII, the
-episode label printable UTF-8 text. A body that cannot be read or decoded
-(``Content-Encoding``) is a 400 like a body that is not JSON.
+episode label printable UTF-8 text. A body that cannot be read is a 400 like a body that is
+not JSON; its ``Content-Encoding`` is decoded by ``router.http.decode`` (415 for a coding the
+proxy does not know, 400 for data that is not in its coding).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from router.eval.dispatch import EvalDispatcher
 from router.eval.runs import Runs
 from router.fleet import Fleet
 from router.flight import Flight, Parsed
+from router.http.decode import decode_body
 from router.http.parse import check_prompt_length, load_json
 from router.ledger import Ledger, LedgerUnavailable
 from router.ledger.connect import RedisClient
@@ -120,16 +122,11 @@ async def read_json(request: web.BaseRequest) -> dict[str, Any]:
     try:
         raw = await request.read()
     except web.RequestPayloadError as exc:
-        encoding = request.headers.get("Content-Encoding")
         lines = str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__]
-        cause = lines[-1].strip()
-        if encoding:
-            raise BadRequest(
-                f"the request body could not be decoded as Content-Encoding {encoding!r}: {cause}",
-                param="Content-Encoding",
-            ) from exc
-        raise BadRequest(f"the request body could not be read: {cause}") from exc
-    return load_json(raw)
+        raise BadRequest(f"the request body could not be read: {lines[-1].strip()}") from exc
+    # Two Content-Encoding lines are one list (RFC 9110, 5.3), as if joined by commas.
+    encoding = ", ".join(request.headers.getall("Content-Encoding", ())) or None
+    return load_json(decode_body(raw, encoding, request.client_max_size))
 
 
 def check_prompt(app: web.Application, parsed: Parsed, param: str) -> None:

@@ -10,6 +10,11 @@ request behind an ``Application`` with one middleware and 185k behind aiohttp's 
 answers as the application's middleware; anything else, including those paths with a query
 string, a percent-escape or an ``Expect`` header, goes to the application as before, so every
 other route, refusal and 404 is the application's own.
+
+A request line without a version (HTTP/0.9, ``GET /``) is parsed by llhttp as version 0.9, and
+aiohttp would answer it with an ``HTTP/0.9 200`` status line, which no HTTP/0.9 client expects
+and no later one understands. The edge answers it 400 with an HTTP/1.0 status line, written
+directly, and closes the connection.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
+import orjson
+from aiohttp import HttpVersion10, web
 
-from router.http.errors import error_answer
+from router.http.errors import error_answer, error_body
 from router.http.openai import serve_completion
 from router.http.triton import serve_generate
 
@@ -39,6 +45,8 @@ class Edge:
         self.fallback = fallback
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.version < HttpVersion10:
+            return _refuse_http09(request)
         serving = self._route(request)
         if serving is None:
             return await self.fallback(request)
@@ -61,6 +69,29 @@ class Edge:
             return None
         model, kind = found.groups()
         return serve_generate(request, self.app, model, kind == "generate_stream")
+
+
+_HTTP09 = orjson.dumps(
+    error_body(
+        "HTTP/0.9 request lines are not served; send 'METHOD /path HTTP/1.1'",
+        "invalid_request_error",
+        "invalid_request",
+    )
+)
+
+
+def _refuse_http09(request: web.BaseRequest) -> web.StreamResponse:
+    """400 with an HTTP/1.0 status line, then close: aiohttp writes the request's own version."""
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        head = (
+            "HTTP/1.0 400 Bad Request\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(_HTTP09)}\r\nConnection: close\r\n\r\n"
+        )
+        transport.write(head.encode("ascii") + _HTTP09)
+        transport.close()
+    # aiohttp's write of this response meets the closed transport and ends the connection.
+    return web.Response(status=400)
 
 
 def install(runner: web.AppRunner) -> None:
