@@ -36,7 +36,7 @@ class _FleetCollector(Collector):
         self._fleet = fleet
         self._ledger_stats = ledger_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         gen = GaugeMetricFamily("kvl_replica_generation", "Cache generation", labels=["replica"])
         ready = GaugeMetricFamily("kvl_replica_ready", "1 if ready", labels=["replica"])
         flight = GaugeMetricFamily(
@@ -65,6 +65,11 @@ class _FleetCollector(Collector):
         up = GaugeMetricFamily("kvl_ledger_redis_up", "1 while Redis answers")
         up.add_metric([], 1.0 if stats.get("redis_up") else 0.0)
         yield up
+        lost = CounterMetricFamily(
+            "kvl_ledger_epoch_lost", "Times this proxy found that Redis lost the ledger's data"
+        )
+        lost.add_metric([], float(stats.get("epoch_lost_total", 0)))
+        yield lost
 
 
 class _Histogram:
