@@ -297,6 +297,9 @@ class Ledger:
         step = advance_from(replica, await self._run(script, keys, args))
         if step is None:  # Redis lost the chain: start an unknown one, then step (stale)
             await self._ensure_unknown(replica, str(record["engine_digest"]))
+            earlier = record.get("warning")
+            record["warning"] = LOST_REASON if not earlier else f"{LOST_REASON}; {earlier}"
+            data = args[2] = template(record)
             step = advance_from(replica, await self._run(script, keys, args))
         if step is None:
             raise UnknownReplica(f"replica {replica!r} has no chain")
