@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import orjson
 import redis
 import urllib3
 
-from backends.sim.launcher import Replica
+from backends.sim.launcher import Replica, free_ports
 from router.ledger.audit import history
 from router.ledger.epoch import LOST_REASON, EpochInfo
+from router.ledger.persistence import kind
 from tests.proxy_harness import Proxy
 from tests.servers import RedisServer
 from tests.test_ledger_truth import audit, complete, spooled, stream_records
@@ -126,3 +129,75 @@ def test_history_lines_name_every_epoch_and_where_history_starts() -> None:
     assert "after epoch aaa was lost" in lines[1]
     assert lines[-1].startswith("history starts at 2026-12-02T00:00:00.000+00:00 (epoch bbb)")
     assert "none" in history([])[0]
+
+
+def _readyz(proxy: Proxy) -> dict[str, Any]:
+    body: dict[str, Any] = orjson.loads(HTTP.request("GET", proxy.url + "/readyz").data)
+    return body
+
+
+def test_a_redis_without_persistence_is_said_once_at_start_and_in_readyz(
+    replicas: dict[str, Replica],
+) -> None:
+    """appendonly no and no save points: one warning in the log, ``none`` in /readyz; the
+    tests' usual Redis (AOF) reads ``aof``, with no warning."""
+    volatile, durable = RedisServer(appendonly=False), RedisServer()
+    volatile.start()
+    durable.start()
+    proxies = [Proxy([replicas["r1"]], volatile.url), Proxy([replicas["r1"]], durable.url)]
+    try:
+        for proxy in proxies:
+            proxy.start()
+        warned, quiet = proxies
+        assert _readyz(warned)["redis_persistence"] == "none"
+        (event,) = _events(warned, "redis_without_persistence")
+        assert event["level"] == "warning" and "appendonly" in event["warning"]
+        assert _readyz(quiet)["redis_persistence"] == "aof"
+        assert _events(quiet, "redis_without_persistence") == []
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+        volatile.close()
+        durable.close()
+
+
+def test_a_redis_refusing_config_reads_unknown_and_the_proxy_serves(
+    replicas: dict[str, Replica], tmp_path: Path
+) -> None:
+    """A managed Redis that refuses CONFIG: ``unknown`` in /readyz, no warning, no crash."""
+    port = free_ports(1)[0]
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        + ["--dir", str(tmp_path), "--rename-command", "CONFIG", ""],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    proxy = Proxy([replicas["r1"]], f"redis://127.0.0.1:{port}/0")
+    try:
+        _wait(lambda: _ping(port), "the redis-server")
+        proxy.start()
+        assert _readyz(proxy)["redis_persistence"] == "unknown"
+        assert _events(proxy, "redis_without_persistence") == []
+        key = proxy.create_key("managed")
+        assert complete(proxy, key, "hello " + uuid.uuid4().hex)[0] == 200
+    finally:
+        proxy.stop()
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _ping(port: int) -> bool:
+    client = redis.Redis(port=port)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def test_persistence_kinds() -> None:
+    assert kind({b"appendonly": b"yes", b"save": b""}) == "aof"
+    assert kind({"appendonly": "no", "save": "3600 1"}) == "rdb"
+    assert kind({"appendonly": "yes", "save": "3600 1 300 100"}) == "aof+rdb"
+    assert kind({"appendonly": "no", "save": ""}) == "none"
