@@ -298,17 +298,19 @@ class Writer:
         if not jobs:
             return
         epoch = self.epoch
+        chains: dict[str, int] = {}  # replica -> its current generation, asked once a batch
         for job in jobs:
             due = job.step
             assert due is not None
             if due.epoch is not None and epoch is not None and due.epoch != epoch:
-                await self._into_new_chain(job)
+                await self._into_new_chain(job, chains)
         replies = await self._pipeline_steps(jobs)
         lost = [
             job for job, reply in zip(jobs, replies, strict=True) if advance_from("", reply) is None
         ]
+        chains.clear()
         for job in lost:  # Redis lost the chain meanwhile: an unknown one, then the step
-            await self._into_new_chain(job)
+            await self._into_new_chain(job, chains)
         if lost:
             replies = await self._pipeline_steps(jobs)
         for job, reply in zip(jobs, replies, strict=True):
@@ -321,18 +323,22 @@ class Writer:
             self.steps_in_buffer -= from_buffer and job.spool_end is None
             job.step = None
 
-    async def _into_new_chain(self, job: Job) -> None:
+    async def _into_new_chain(self, job: Job, chains: dict[str, int]) -> None:
         """``job``'s step, moved to the replica's chain as Redis holds it now (created unknown
         when absent): Redis lost the history it belonged to. Its record takes that generation
         and the warning ``Redis lost its data``; the step is uncertain (``tried_ms`` 0)."""
         step = job.step
         assert step is not None
-        generation = await self._ensure_unknown(step.replica, _engine(job.data))
+        generation = chains.get(step.replica)
+        if generation is None:
+            generation = await self._ensure_unknown(step.replica, _engine(job.data))
+            chains[step.replica] = generation
         job.step = replace(step, generation=generation, exact=False, tried_ms=0, epoch=self.epoch)
         record = orjson.loads(job.data)
         record["generation"] = generation
-        earlier = record.get("warning")
-        record["warning"] = LOST_REASON if not earlier else f"{LOST_REASON}; {earlier}"
+        earlier = str(record.get("warning") or "")
+        if not earlier.startswith(LOST_REASON):
+            record["warning"] = f"{LOST_REASON}; {earlier}" if earlier else LOST_REASON
         job.data = orjson.dumps(record)
 
     async def _pipeline_steps(self, jobs: list[Job]) -> list[object]:
