@@ -68,6 +68,11 @@ class _FleetCollector(Collector):
         ticks = CounterMetricFamily("kvl_monitor_ticks", "Health checks of the whole fleet done")
         ticks.add_metric([], float(self._fleet.monitor_ticks))
         yield ticks
+        lost = CounterMetricFamily(
+            "kvl_ledger_epoch_lost", "Times this proxy found that Redis lost the ledger's data"
+        )
+        lost.add_metric([], float(stats.get("epoch_lost_total", 0)))
+        yield lost
 
 
 class _Histogram:

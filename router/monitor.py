@@ -6,6 +6,10 @@ or as a model that was unavailable and came back; either way its KV cache starte
 generation rises by one and ``kvl:generations`` says why. The new generation's state is
 genesis only if the cache is still empty when the monitor looks (no request served since);
 otherwise requests nobody recorded may have filled it, and the state is unknown.
+
+Each tick also checks the ledger epoch (``router.ledger.epoch``, one GET): when Redis lost its
+data, every replica starts a new generation whose state is unknown, with the reason ``Redis
+lost its data`` (whichever found the loss first, this tick or the ledger's writer).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import structlog
 from backends.base import BackendError, ReplicaCounters
 from router.fleet import Fleet, ReplicaState
 from router.ledger import Ledger, LedgerError
+from router.ledger.epoch import LOST_REASON
 
 _log = structlog.get_logger("kvledger.monitor")
 
@@ -64,6 +69,7 @@ class Monitor:
         self.hook = hook  # runs first each tick (leases and resets from Redis, idle runs)
         self._down: dict[str, bool] = {}
         self._pending: dict[str, str] = {}
+        self._losses = 0  # epoch losses whose generations were started
 
     async def run(self) -> None:
         task = asyncio.current_task()
@@ -76,6 +82,13 @@ class Monitor:
             await asyncio.sleep(self.interval_s)
 
     async def tick(self) -> None:
+        with contextlib.suppress(LedgerError):
+            await self.ledger.check_epoch()
+        losses = self.ledger.epoch.losses
+        if losses > self._losses:
+            with contextlib.suppress(LedgerError, BackendError):
+                await self._history_lost()
+                self._losses = losses
         if self.hook is not None:
             try:
                 await self.hook()
@@ -83,6 +96,27 @@ class Monitor:
                 _log.warning("monitor_hook_failed", error=str(exc), kind=type(exc).__name__)
         await asyncio.gather(*(self.check(r) for r in self.fleet))
         self.fleet.monitor_ticks += 1
+
+    async def _history_lost(self) -> None:
+        """Redis lost its data: every replica seen so far starts an unknown generation."""
+        for replica in self.fleet:
+            if not replica.engine_digest:  # never synced: its first sync starts its chain
+                continue
+            count = replica.counters.request_count if replica.counters is not None else 0
+            head = await self.ledger.new_generation(
+                replica.id,
+                replica.engine_digest,
+                LOST_REASON,
+                proven_empty=False,
+                counter=int(count),
+            )
+            replica.generation = head.generation
+            _log.warning(
+                "generation_raised",
+                replica=replica.id,
+                generation=head.generation,
+                reason=LOST_REASON,
+            )
 
     async def check(self, replica: ReplicaState) -> None:
         if replica.paused:

@@ -195,12 +195,15 @@ async def test_redis_losing_the_chain_mid_traffic_marks_the_request_stale(
     client: aioredis.Redis, tmp_path: Path
 ) -> None:
     """A step finding no chain (Redis flushed) starts an unknown chain and records the request
-    stale: it claims no state."""
+    stale: it claims no state, and says why."""
     ledger = make_ledger(client, tmp_path / "spool")
     head = await fresh_chain(ledger)
     await client.flushall()
     done = await ledger.commit(record(1, generation=head.generation))
     assert done["stale"] and done["state_before"] is None
+    assert done["warning"] == "Redis lost its data"
+    ((_, fields),) = await client.xrange("kvl:{replica:r1}:lineage")
+    assert orjson.loads(fields[b"r"])["warning"] == "Redis lost its data"
     now = await ledger.head("r1")
     assert not now.known and now.generation > head.generation
     assert text_digest("x") != now.state

@@ -4,6 +4,10 @@ It reads the replicas' lineage streams straight from Redis (no proxy needed) and
 replica, breaks (states that do not follow), gaps (records missing), duplicates, and the
 records whose state is unknown, unordered or stale. It exits 1 when it finds a break, a gap or
 a duplicate, so it can run in a cron job or a pipeline.
+
+It also prints the ledger epochs it saw and where the ledger's history starts: when Redis lost
+its data (a restart without persistence, a FLUSHALL), the chains that follow hold again, but
+the records before are gone, and this says since when the ledger is whole.
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ def register(commands: Any) -> None:
 
 @cli_errors
 def run_chain(args: argparse.Namespace) -> int:
+    from router.ledger.audit import history
+    from router.ledger.epoch import read_epochs
+
     url = redis_url(args, os.environ)
     audits = with_redis(url, lambda client: reader(client).audit(args.replica))
+    epochs = with_redis(url, read_epochs)
     if args.json:
         print_json_lines([a.as_json() for a in audits])
         return 0 if all(a.ok for a in audits) else 1
@@ -54,6 +62,8 @@ def run_chain(args: argparse.Namespace) -> int:
     for audit in audits:
         for finding in audit.findings:
             print(finding)
+    for line in history(epochs):
+        print(line)
     bad = [a.replica for a in audits if not a.ok]
     verdict = f"problems on {', '.join(bad)}" if bad else "every chain holds"
     print(f"{len(audits)} replica(s) audited: {verdict}")

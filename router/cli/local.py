@@ -34,13 +34,15 @@ class LocalError(RuntimeError):
 class RedisServer:
     """A ``redis-server`` on a free loopback port with its own directory; restartable in place."""
 
-    def __init__(self, *, appendonly: bool = True, workdir: Path | None = None) -> None:
+    def __init__(
+        self, *, appendonly: bool = True, workdir: Path | None = None, port: int | None = None
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise LocalError("redis-server is not installed (apt-get install redis-server)")
         self.binary = binary
         self.appendonly = appendonly
-        self.port = free_ports(1)[0]
+        self.port = port if port is not None and port_free(port) else free_ports(1)[0]
         self._own_dir = workdir is None
         self.dir = Path(tempfile.mkdtemp(prefix="kvl-redis-")) if workdir is None else workdir
         self.process: subprocess.Popen[bytes] | None = None
@@ -49,15 +51,20 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10) -> None:
-        command = [
+    @property
+    def command(self) -> list[str]:
+        """Its command line (redis-server rewrites its process title: /proc shows not this)."""
+        return [
             self.binary,
             *("--port", str(self.port), "--bind", "127.0.0.1", "--save", ""),
             *("--appendonly", "yes" if self.appendonly else "no"),
+            *(("--appendfsync", "everysec") if self.appendonly else ()),
             *("--dir", str(self.dir), "--daemonize", "no"),
         ]
+
+    def start(self, timeout_s: float = 10) -> None:
         self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -75,12 +82,27 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=10)
+        elif self.process is not None:
+            self.process.wait()
         self.process = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
 
     def close(self) -> None:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on loopback now."""
+    try:
+        with socket.create_server(("127.0.0.1", port)):
+            return True
+    except OSError:
+        return False
 
 
 def proxy_config(
@@ -214,6 +236,36 @@ def create_key(redis_url: str, name: str, *, replace: bool = False, **profile: A
             await client.aclose()
 
     return asyncio.run(create())
+
+
+def key_valid(redis_url: str, key: str) -> bool:
+    """Whether ``key`` is an API key the Redis at ``redis_url`` holds."""
+    from router.ledger.connect import connect
+    from router.ledger.keys import KeyStore
+
+    async def lookup() -> bool:
+        client = connect(redis_url, timeout_s=5, connect_timeout_s=5)
+        try:
+            return await KeyStore(client).lookup(key) is not None
+        finally:
+            await client.aclose()
+
+    return asyncio.run(lookup())
+
+
+def redis_persistence(redis_url: str) -> str:
+    """What the Redis at ``redis_url`` does to keep its data (``router.ledger.persistence``)."""
+    from router.ledger.connect import connect
+    from router.ledger.persistence import redis_persistence as read
+
+    async def check() -> str:
+        client = connect(redis_url, timeout_s=5, connect_timeout_s=5)
+        try:
+            return await read(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(check())
 
 
 def wait_for_signal(alive: Callable[[], bool] = lambda: True) -> None:

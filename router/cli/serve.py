@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,32 @@ class _AnsweredBodyErrors(logging.Filter):
         return not isinstance(error, web.RequestPayloadError)
 
 
+class PortBusy(OSError):
+    """The proxy's port cannot be bound (another process listens there)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else starts: a port in use must fail before
+    the monitor runs or this proxy appears in the proxies' registry."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        raise PortBusy(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
 def serve(settings: Settings, print_ready: bool = True) -> None:
     """Run until SIGINT or SIGTERM, as ``aiohttp.web.run_app`` runs an application (which this
     cannot use: the server's handler is the edge, see ``router.http.edge``); the cleanup
-    contexts run on the way out."""
+    contexts run on the way out. The port is bound first (PortBusy: nothing else started)."""
+    sock = bind(settings.host, settings.port)
+    try:
+        _run(settings, sock, print_ready)
+    finally:
+        sock.close()
+
+
+def _run(settings: Settings, sock: socket.socket, print_ready: bool) -> None:
     from router.http.app import create_app  # imported here: other commands need not pay for it
 
     configure(settings.log_level)
@@ -54,7 +77,7 @@ def serve(settings: Settings, print_ready: bool = True) -> None:
     _event_loop_policy()
     app = create_app(settings)
     loop = asyncio.new_event_loop()
-    main = loop.create_task(_serve(app, settings, print_ready))
+    main = loop.create_task(_serve(app, settings, sock, print_ready))
     try:
         asyncio.set_event_loop(loop)
         loop.run_until_complete(main)
@@ -76,7 +99,9 @@ def serve(settings: Settings, print_ready: bool = True) -> None:
             asyncio.set_event_loop(None)
 
 
-async def _serve(app: web.Application, settings: Settings, print_ready: bool) -> None:
+async def _serve(
+    app: web.Application, settings: Settings, sock: socket.socket, print_ready: bool
+) -> None:
     from router.http.edge import install
 
     # As run_app's: SIGINT and SIGTERM raise GracefulExit out of the loop, idle client
@@ -92,7 +117,7 @@ async def _serve(app: web.Application, settings: Settings, print_ready: bool) ->
     await runner.setup()
     try:
         install(runner)
-        await web.TCPSite(runner, settings.host, settings.port).start()
+        await web.SockSite(runner, sock).start()
         if print_ready:
             print(f"kvledger listening on http://{settings.host}:{settings.port}", flush=True)
         await asyncio.Event().wait()  # until a signal ends the loop
@@ -102,8 +127,9 @@ async def _serve(app: web.Application, settings: Settings, print_ready: bool) ->
 
 def run_serve(args: argparse.Namespace) -> int:
     """Exit 2 with one line naming the file and field when the config is wrong (checked before
-    anything starts); exit 1 with one line when the spool cannot be opened (another instance
-    holds it: see ``[lineage] spool_path``)."""
+    anything starts), and when its port is in use (checked before anything starts either: no
+    monitor, no registry entry); exit 1 with one line when the spool cannot be opened (another
+    instance holds it: see ``[lineage] spool_path``)."""
     try:
         settings = load_settings(args.config, os.environ)
     except SettingsError as exc:
@@ -111,6 +137,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         serve(settings)
+    except PortBusy as exc:
+        print(f"kvledger: {exc}", file=sys.stderr)
+        return 2
     except SpoolUnavailable as exc:
         hint = "each instance needs its own [lineage] spool_path (by default it has one)"
         print(f"kvledger: {exc.__cause__ or exc}; {hint}", file=sys.stderr)

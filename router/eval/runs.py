@@ -127,7 +127,7 @@ class Runs:
     async def tick(self) -> None:
         """The monitor's hook: learn leases and resets, recover what dead proxies left behind,
         end idle runs (see the module docstring)."""
-        await self.notices.alive(self.owner)
+        await self.notices.alive(self.owner, expire_s=3 * self.settle_s)
         if await self.store.missing([r.id for r in self.fleet]):
             await self.register()
         marks = await self.turns.marks(r.id for r in self.fleet)

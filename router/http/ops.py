@@ -3,11 +3,14 @@
 ``/readyz`` answers 200 while any replica is healthy (eval arms can be served), else 503::
 
     {"ready": bool, "replicas": {id: healthy}, "redis": bool,
-     "pools": {id: "production" | "eval"}, "production_ready": bool}
+     "pools": {id: "production" | "eval"}, "production_ready": bool,
+     "redis_persistence": "aof" | "rdb" | "aof+rdb" | "none" | "unknown"}
 
 ``pools`` says which replicas take production traffic (the others serve eval leases only);
 ``production_ready`` is whether one of them could take a production request now (healthy, not
-leased, draining or resetting).
+leased, draining or resetting). ``redis_persistence`` is what the ledger's Redis does to keep
+its data, read once at start (``router.ledger.persistence``): ``none`` means a Redis restart
+loses every record and key (also logged at start, as ``redis_without_persistence``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ async def readyz(request: web.Request) -> web.Response:
         "redis": bool(request.app[LEDGER].stats().get("redis_up")),
         "pools": {r.id: r.settings.pool for r in fleet},
         "production_ready": fleet.production_ready(),
+        "redis_persistence": request.app[LEDGER].persistence,
     }
     return _json(body, 200 if ready else 503)
 

@@ -15,6 +15,10 @@ one Lua call), so one pass over it checks everything:
 
 A stream trimmed by its length cap begins mid-generation: that first gap is reported as
 ``trimmed``, not as an error.
+
+The streams cannot show history that Redis lost (a restart without persistence, a FLUSHALL):
+what remains is a whole chain again. The ledger epochs (``router.ledger.epoch``) can:
+:func:`history` says which epochs the ledger saw and where its history starts.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.ledger.chain import genesis, step
+from router.ledger.epoch import LOST_REASON, EpochInfo
 
 ERRORS = ("break", "gap", "duplicate")
 COUNTED = ("unknown", "unordered", "stale", "trimmed")
@@ -118,3 +123,31 @@ def _check(
         audit.note("break", f"request {rid} (seq {seq}) does not start where seq {seq - 1} ended")
     if seq == 0 and record.get("state_known") and before != genesis(record["engine_digest"]):
         audit.note("break", f"request {rid} claims a cache seen empty but is not at genesis")
+
+
+def history(epochs: list[EpochInfo]) -> list[str]:
+    """Lines for ``audit chain``: every epoch seen, oldest first, and where history starts
+    (pure: ``epochs`` as ``router.ledger.epoch.read_epochs`` answers them)."""
+    if not epochs:
+        return [
+            "ledger epoch: none (a ledger written before epochs, or Redis lost its data and no"
+            " proxy has run since): the audit cannot tell whether history was lost"
+        ]
+    lines = []
+    for epoch in epochs:
+        line = f"ledger epoch {epoch.id}: created {epoch.created_at}"
+        if epoch.previous:
+            seen = f", last seen {epoch.previous_seen_at}" if epoch.previous_seen_at else ""
+            line += f", after epoch {epoch.previous} was lost ({LOST_REASON}{seen})"
+        lines.append(line)
+    current = epochs[-1]
+    lost = [e for e in epochs if e.previous]
+    if lost:
+        last = lost[-1]
+        lines.append(
+            f"history starts at {last.created_at} (epoch {last.id}): {LOST_REASON} before it;"
+            f" records of epoch {last.previous} are gone"
+        )
+    else:
+        lines.append(f"history starts at {epochs[0].created_at} (epoch {current.id}): complete")
+    return lines

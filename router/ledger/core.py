@@ -33,6 +33,7 @@ from redis.typing import EncodableT
 
 from router.ledger.audit import Auditor, ChainAudit
 from router.ledger.chain import Advance, ChainHead, genesis
+from router.ledger.epoch import LOST_REASON, Epoch, EpochLoss
 from router.ledger.errors import (
     REDIS_FAILURES,
     LedgerUnavailable,
@@ -41,6 +42,7 @@ from router.ledger.errors import (
     redis_call,
     unavailable,
 )
+from router.ledger.persistence import WARNING, redis_persistence
 from router.ledger.read import LedgerReader
 from router.ledger.records import CHAIN_FIELDS, chain_fields, stamp, template, with_chain
 from router.ledger.schema import (
@@ -84,7 +86,11 @@ class Ledger:
         self._log = log
         self._scripts = Scripts(client)
         self._wire = Wire.like(client)  # the chain step's own connection (see ``wire``)
-        self._writer = Writer(client, self._scripts, config, log, self._ensure_unknown)
+        self.epoch = Epoch(client)
+        self.persistence = "unknown"  # what Redis does to keep its data: see ``persistence``
+        self._writer = Writer(
+            client, self._scripts, config, log, self._ensure_unknown, self._writer_epoch
+        )
         self._reader = LedgerReader(client, config.redis_timeout_s)
 
     async def start(self) -> None:
@@ -93,6 +99,9 @@ class Ledger:
             await self._writer.start()
         except OSError as exc:
             raise SpoolUnavailable(f"spool {self._cfg.spool_path}: {exc}") from exc
+        self.persistence = await redis_persistence(self._client)
+        if self.persistence == "none":
+            self._log.warning("redis_without_persistence", persistence="none", warning=WARNING)
 
     async def close(self) -> None:
         """Write what Redis takes within ``close_timeout_s``; the rest stays in the spool."""
@@ -116,7 +125,32 @@ class Ledger:
             "written_total": w.written_total,
             "dropped_total": w.dropped_total,
             "redis_up": w.redis_up,
+            "epoch_lost_total": self.epoch.losses,
         }
+
+    # The epoch -----------------------------------------------------------------------------
+
+    async def check_epoch(self) -> EpochLoss | None:
+        """Compare the ledger epoch in Redis with the one this proxy remembers (see ``epoch``);
+        a loss is logged (``ledger_epoch_lost``, an error) and counted, and returned. Raises
+        LedgerUnavailable when Redis does not answer. Not for the request path."""
+        loss = await self.epoch.check()
+        if loss is not None:
+            self._writer.epoch = loss.current.id
+            self._log.error(
+                "ledger_epoch_lost",
+                reason=LOST_REASON,
+                lost_epoch=loss.lost.id,
+                lost_created_at=loss.lost.created_at,
+                last_seen_at=loss.seen_at,
+                epoch=loss.current.id,
+                history_starts=loss.current.created_at,
+            )
+        return loss
+
+    async def _writer_epoch(self) -> str | None:
+        await self.check_epoch()
+        return self.epoch.id
 
     # Generations ---------------------------------------------------------------------------
 
@@ -232,6 +266,7 @@ class Ledger:
             str(record["digest"]),
             exact,
             0 if uncertain else int(time.time() * 1000) if tried else None,
+            self.epoch.id,
         )
         self._writer.put(job_from_record(record, template(record), step))
         return record
@@ -262,6 +297,9 @@ class Ledger:
         step = advance_from(replica, await self._run(script, keys, args))
         if step is None:  # Redis lost the chain: start an unknown one, then step (stale)
             await self._ensure_unknown(replica, str(record["engine_digest"]))
+            earlier = record.get("warning")
+            record["warning"] = LOST_REASON if not earlier else f"{LOST_REASON}; {earlier}"
+            data = args[2] = template(record)
             step = advance_from(replica, await self._run(script, keys, args))
         if step is None:
             raise UnknownReplica(f"replica {replica!r} has no chain")
@@ -287,9 +325,11 @@ class Ledger:
             self._writer.went_down(error)
             raise error from exc
 
-    async def _ensure_unknown(self, replica: str, engine_digest: str) -> None:
-        """A chain for a replica whose chain Redis lost: nothing proves its cache empty."""
-        await self.ensure_replica(replica, engine_digest, proven_empty=False, counter=0)
+    async def _ensure_unknown(self, replica: str, engine_digest: str) -> int:
+        """A chain for a replica whose chain Redis lost: nothing proves its cache empty.
+        Answers its generation."""
+        head = await self.ensure_replica(replica, engine_digest, proven_empty=False, counter=0)
+        return head.generation
 
     # Reading --------------------------------------------------------------------------------
 

@@ -6,6 +6,10 @@ instead the reset publishes a notice on the channel ``kvl:resets``, every proxy 
 replica aside at once and acknowledges in ``kvl:{replica:ID}:acks`` (proxy -> the mark it saw),
 and the reset waits only until every proxy seen alive lately (``kvl:proxies``: proxy -> when
 its monitor last ran, epoch ms) has acknowledged, or one monitor interval, whichever is first.
+
+``kvl:proxies`` entries expire: each monitor tick refreshes its own entry and removes those not
+refreshed within ``expire_s`` (three monitor intervals), so a proxy that died (or never got
+past its start) leaves the registry within seconds, and nothing waits on it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ CHANNEL = PREFIX + "resets"
 PROXIES = PREFIX + "proxies"
 OnNotice = Callable[[str, str], Awaitable[None]]
 _log = structlog.get_logger("kvledger.notices")
+# KEYS[1] proxies. ARGV: proxy, now ms, oldest time still alive (ms).
+_ALIVE_LUA = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if tonumber(all[i + 1]) < tonumber(ARGV[3]) then redis.call('HDEL', KEYS[1], all[i]) end
+end
+return 1
+"""
 
 
 class Notices:
@@ -32,10 +45,23 @@ class Notices:
         self._client = client
         self._timeout = timeout_s
 
-    async def alive(self, proxy: str) -> None:
-        """This proxy's monitor ran now."""
+    async def alive(self, proxy: str, expire_s: float | None = None) -> None:
+        """This proxy's monitor ran now; entries older than ``expire_s`` are removed (one
+        call: a script that refreshes this entry and drops the expired ones)."""
+        now = int(time.time() * 1000)
+        if expire_s is None:
+            async with redis_call("proxy alive", self._timeout):
+                await self._client.hset(PROXIES, proxy, now)
+            return
+        since = now - int(expire_s * 1000)
         async with redis_call("proxy alive", self._timeout):
-            await self._client.hset(PROXIES, proxy, int(time.time() * 1000))
+            await self._client.eval(_ALIVE_LUA, 1, PROXIES, proxy, now, since)
+
+    async def proxies(self) -> dict[str, int]:
+        """Every entry of the registry: proxy -> when its monitor last ran (epoch ms)."""
+        async with redis_call("read proxies", self._timeout):
+            seen = await self._client.hgetall(PROXIES)
+        return {text(p): int(at) for p, at in seen.items()}
 
     async def live_proxies(self, within_s: float) -> set[str]:
         """Proxies whose monitor ran within ``within_s``."""

@@ -28,6 +28,9 @@ KEY_NAMES = PREFIX + "key-names"  # name -> sha256, so a name is claimed atomica
 GENERATIONS = PREFIX + "generations"
 # replica id -> {model, reuse}: every proxy registers its replicas (readers find their streams)
 REPLICAS = PREFIX + "replicas"
+# The ledger's epoch (created once, never changed) and every epoch created: see ``epoch``.
+EPOCH = PREFIX + "epoch"
+EPOCHS = PREFIX + "epochs"
 # Generation changes are rare (resets, restarts); this keeps years of them.
 GENERATIONS_MAXLEN = 100_000
 HEAD_FIELDS = ("generation", "seq", "state", "engine_digest", "known")

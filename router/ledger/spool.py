@@ -2,14 +2,15 @@
 
 Format: one JSON object per line, ``{"step": STEP, "record": RECORD}\\n``, appended with
 ``O_APPEND``; ``STEP`` is null for a finished record (only its indexes are due), or
-``{"replica", "generation", "digest", "exact", "tried_ms"}`` for a record whose chain step has
-not run yet (its RECORD then lacks the chain fields; ``tried_ms`` is when a call that may have
-run it was sent, or null). Next to it, ``<spool>.done`` holds the byte offset up to which the
-lines are in Redis (replaced atomically by rename). Draining reads from that offset; when
-everything is drained the file is truncated, after a durable marker of 0, so a crash at any
-point loses nothing: at worst a batch is written again (readers drop repeated request ids, and
-late chain steps are idempotent through their step keys). A torn last line (a crash
-mid-append) is cut off when the spool is opened; an ``flock`` keeps two processes off one spool.
+``{"replica", "generation", "digest", "exact", "tried_ms", "epoch"}`` for a record whose chain
+step has not run yet (its RECORD then lacks the chain fields; ``tried_ms`` is when a call that
+may have run it was sent, or null; ``epoch`` the ledger epoch it was made in, or null). Next to
+it, ``<spool>.done`` holds the byte offset up to which the lines are in Redis (replaced
+atomically by rename). Draining reads from that offset; when everything is drained the file is
+truncated, after a durable marker of 0, so a crash at any point loses nothing: at worst a batch
+is written again (readers drop repeated request ids, and late chain steps are idempotent through
+their step keys). A torn last line (a crash mid-append) is cut off when the spool is opened; an
+``flock`` keeps two processes off one spool.
 
 ``<spool>.tried`` lists the request ids (with the time, epoch ms) whose late step the writer
 sent to Redis, written and fsynced *before* the send: a spool line is never rewritten, so a
@@ -26,7 +27,7 @@ from __future__ import annotations
 import fcntl
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class Step:
     digest: str
     exact: bool = False
     tried_ms: int | None = None  # a call that may have run it was sent then (epoch ms)
+    epoch: str | None = None  # the ledger epoch its record was made in (see ``epoch``)
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +72,7 @@ def _step_json(step: Step) -> dict[str, Any]:
         "digest": step.digest,
         "exact": step.exact,
         "tried_ms": step.tried_ms,
+        "epoch": step.epoch,
     }
 
 
@@ -92,6 +95,7 @@ def job_from_line(line: bytes) -> Job:
             raw["digest"],
             bool(raw.get("exact", False)),
             None if tried is None else int(tried),
+            raw.get("epoch"),
         )
     return job_from_record(record, orjson.dumps(record), step)
 
@@ -151,9 +155,7 @@ class Spool:
         """``job`` with the time its step was first sent, when the tried list has it."""
         step = job.step
         if step is not None and step.tried_ms is None and job.request_id in self.tried:
-            job.step = Step(
-                step.replica, step.generation, step.digest, step.exact, self.tried[job.request_id]
-            )
+            job.step = replace(step, tried_ms=self.tried[job.request_id])
         return job
 
     def _read_tried(self) -> dict[str, int]:

@@ -25,7 +25,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import orjson
@@ -33,7 +33,8 @@ import redis.asyncio as aioredis
 import structlog
 from redis.typing import EncodableT
 
-from router.ledger.errors import REDIS_FAILURES
+from router.ledger.epoch import LOST_REASON
+from router.ledger.errors import REDIS_FAILURES, LedgerError
 from router.ledger.records import chain_fields, with_chain
 from router.ledger.schema import (
     advance_from,
@@ -42,7 +43,7 @@ from router.ledger.schema import (
     stream_fields,
 )
 from router.ledger.scripts import Scripts
-from router.ledger.spool import Job, Spool, Step, job_from_line
+from router.ledger.spool import Job, Spool, job_from_line
 
 BATCH = 256  # records per Redis pipeline and per spool write
 
@@ -72,10 +73,16 @@ class Writer:
         scripts: Scripts,
         config: LedgerConfig,
         log: structlog.typing.FilteringBoundLogger,
-        ensure_unknown: Callable[[str, str], Awaitable[None]],
+        ensure_unknown: Callable[[str, str], Awaitable[int]],
+        epoch: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         self._client, self._scripts, self._cfg, self._log = client, scripts, config, log
         self._ensure_unknown = ensure_unknown
+        # Checks the ledger epoch (see ``epoch``) and answers the current one's id; called
+        # when Redis is found back, before anything spooled is drained into it.
+        self._epoch = epoch
+        self._epoch_due = True
+        self.epoch: str | None = None
         self.spool = Spool(config.spool_path, log)
         self.buffer: deque[Job] = deque()
         self.redis_up = True
@@ -107,6 +114,7 @@ class Writer:
         if self.redis_up:
             self._log.warning("ledger_redis_down", error=f"{type(exc).__name__}: {exc}")
         self.redis_up = False
+        self._epoch_due = True
         self._next_probe = time.monotonic() + self._cfg.retry_interval_s
         self._wake.set()
         self._progress.set()
@@ -159,6 +167,16 @@ class Writer:
         except REDIS_FAILURES as exc:
             self.went_down(exc)
             return False
+        if self._epoch_due and self._epoch is not None:
+            try:
+                self.epoch = await self._epoch()
+            except REDIS_FAILURES as exc:
+                self.went_down(exc)
+                return False
+            except LedgerError as exc:
+                self.went_down(exc)
+                return False
+            self._epoch_due = False
         if not self.redis_up:
             self._log.info("ledger_redis_up", spooled=self.spool.count)
         self.redis_up = True
@@ -274,15 +292,25 @@ class Writer:
         return True
 
     async def _run_steps(self, jobs: list[Job], from_buffer: bool) -> None:
+        """Run the jobs' steps in order. A step made in an epoch that is gone, or whose chain
+        vanished (Redis lost its data), steps the replica's current chain instead, as an
+        uncertain step (``unordered``, its state unknown), its record saying why."""
         if not jobs:
             return
+        epoch = self.epoch
+        chains: dict[str, int] = {}  # replica -> its current generation, asked once a batch
+        for job in jobs:
+            due = job.step
+            assert due is not None
+            if due.epoch is not None and epoch is not None and due.epoch != epoch:
+                await self._into_new_chain(job, chains)
         replies = await self._pipeline_steps(jobs)
         lost = [
             job for job, reply in zip(jobs, replies, strict=True) if advance_from("", reply) is None
         ]
-        for job in lost:  # Redis lost the chain meanwhile: an unknown one, then the step (stale)
-            assert job.step is not None
-            await self._ensure_unknown(job.step.replica, _engine(job.data))
+        chains.clear()
+        for job in lost:  # Redis lost the chain meanwhile: an unknown one, then the step
+            await self._into_new_chain(job, chains)
         if lost:
             replies = await self._pipeline_steps(jobs)
         for job, reply in zip(jobs, replies, strict=True):
@@ -294,6 +322,24 @@ class Writer:
             # Still in the buffer unless put() spooled it meanwhile (spill counted it then).
             self.steps_in_buffer -= from_buffer and job.spool_end is None
             job.step = None
+
+    async def _into_new_chain(self, job: Job, chains: dict[str, int]) -> None:
+        """``job``'s step, moved to the replica's chain as Redis holds it now (created unknown
+        when absent): Redis lost the history it belonged to. Its record takes that generation
+        and the warning ``Redis lost its data``; the step is uncertain (``tried_ms`` 0)."""
+        step = job.step
+        assert step is not None
+        generation = chains.get(step.replica)
+        if generation is None:
+            generation = await self._ensure_unknown(step.replica, _engine(job.data))
+            chains[step.replica] = generation
+        job.step = replace(step, generation=generation, exact=False, tried_ms=0, epoch=self.epoch)
+        record = orjson.loads(job.data)
+        record["generation"] = generation
+        earlier = str(record.get("warning") or "")
+        if not earlier.startswith(LOST_REASON):
+            record["warning"] = f"{LOST_REASON}; {earlier}" if earlier else LOST_REASON
+        job.data = orjson.dumps(record)
 
     async def _pipeline_steps(self, jobs: list[Job]) -> list[object]:
         """Every job's step in one pipeline. A step that was sent before and may have run
@@ -311,7 +357,7 @@ class Writer:
             for job in fresh:
                 step = job.step
                 assert step is not None
-                job.step = Step(step.replica, step.generation, step.digest, step.exact, now_ms)
+                job.step = replace(step, tried_ms=now_ms)
         pipe = self._client.pipeline(transaction=False)
         # Older than its step key's life (less a margin for clocks): the key may be gone.
         ttl = self._cfg.step_ttl_s
