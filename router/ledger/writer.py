@@ -61,6 +61,10 @@ class LedgerConfig:
     # it moves the chain to an unknown state and says so (``unordered``), see _run_steps.
     step_ttl_s: int = 3600
     redis_timeout_s: float = 0.5
+    # WAIT 1 <ms> after an eval step (durable_wait_ms) or a production one (production_wait_ms)
+    # when its master has a replica; 0: no WAIT (see ``core.Durability``).
+    durable_wait_ms: int = 0
+    production_wait_ms: int = 0
     retry_interval_s: float = 0.5
     close_timeout_s: float = 5.0
 
