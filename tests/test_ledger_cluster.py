@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -16,9 +17,12 @@ from router.ledger import Ledger
 from router.ledger.chain import fold, genesis
 from router.ledger.cluster_wire import ClusterWire
 from router.ledger.connect import cluster_url, connect, is_cluster, parse_cluster_url
+from router.ledger.core import Fence
 from router.settings import SettingsError, build_settings
-from tests.ledger_helpers import ENGINE, fresh_chain, make_ledger, record
-from tests.servers import ClusterNode, LocalCluster
+from tests.ledger_helpers import ENGINE, fresh_chain, make_ledger, record, until
+from tests.servers import ClusterNode, LocalCluster, RedisReplica, RedisServer
+
+Record = dict[str, object]
 
 STEP_TIMEOUT_S = 5.0  # generous: a slot migration in the middle of a step takes a few turns
 
@@ -232,3 +236,95 @@ async def test_a_half_migrated_slot_is_retried_until_it_settles(
     final = await ledger.head("half")
     assert final.state == fold(genesis(ENGINE), [first["digest"], second["digest"]])
     await ledger.close()
+
+
+# Durable eval records (WAIT) ----------------------------------------------------------------
+
+
+async def _eval_step(ledger: Ledger, client: aioredis.Redis, i: int, head_gen: int) -> Record:
+    """An eval request's fenced chain step, under a turn the test holds."""
+    await client.set("kvl:{replica:r1}:turn", "token-1")
+    rec = record(i, generation=head_gen, run="run-1")
+    return await ledger.fenced_commit(rec, Fence("token-1", "run-1", i + 1))
+
+
+async def _run_index(client: aioredis.Redis) -> list[dict[str, object]]:
+    entries = await client.xrange("kvl:{run:run-1}:lineage") or []
+    return [orjson.loads(fields[b"r"]) for _id, fields in entries]
+
+
+async def test_an_eval_record_acknowledged_by_a_replica_is_durable_and_says_so(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """One node with a replica: an eval step is followed by WAIT; the record answered and the
+    run's index say ``durable: true``. The replica gone, the WAIT times out: ``durable: false``.
+    A production step sends no WAIT (``production_wait_ms`` 0) and its record has no field."""
+    replica = RedisReplica(redis_server.port)
+    replica.start()
+    client = connect(redis_server.url, timeout_s=5.0, connect_timeout_s=2.0)
+    ledger = make_ledger(client, tmp_path / "spool", redis_timeout_s=5.0, durable_wait_ms=1000)
+    try:
+        await ledger.start()
+        head = await fresh_chain(ledger)
+        done = await _eval_step(ledger, client, 1, head.generation)
+        assert done["durable"] is True and not done["pending"]
+        production = await ledger.commit(record(2, generation=head.generation))
+        assert "durable" not in production
+        replica.close()
+        for _ in range(200):  # the master notices its replica is gone
+            if (await client.info("replication"))["connected_slaves"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        late = await _eval_step(ledger, client, 3, head.generation)
+        assert late["durable"] is False and not late["pending"] and late["seq"] == 2
+        await until(lambda: ledger.stats()["written_total"] >= 2)
+        index = await _run_index(client)
+        assert [(r["request_id"], r["durable"]) for r in index] == [
+            ("req-0001", True),
+            ("req-0003", False),
+        ]
+    finally:
+        replica.close()
+        await ledger.close()
+        await client.aclose()
+
+
+async def test_without_a_replica_no_wait_is_sent_and_records_are_unchanged(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """One node, no replica: durability cannot be had, so no WAIT (it could only time out)
+    and the record is exactly what it was before durability existed (no ``durable`` field)."""
+    client = connect(redis_server.url, timeout_s=5.0, connect_timeout_s=2.0)
+    ledger = make_ledger(client, tmp_path / "spool", redis_timeout_s=5.0, durable_wait_ms=1000)
+    try:
+        await ledger.start()
+        head = await fresh_chain(ledger)
+        done = await _eval_step(ledger, client, 1, head.generation)
+        assert "durable" not in done and not done["pending"]
+    finally:
+        await ledger.close()
+        await client.aclose()
+
+
+async def test_an_eval_record_on_the_cluster_is_durable_on_two_nodes(
+    redis_cluster: LocalCluster, cluster_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """On the cluster, the slot map lists the master's replica: the eval step's WAIT goes to
+    the master that took the step, and the record is on its replica when the answer leaves."""
+    ledger = make_ledger(
+        cluster_client, tmp_path / "spool", redis_timeout_s=STEP_TIMEOUT_S, durable_wait_ms=2000
+    )
+    try:
+        await ledger.start()
+        head = await fresh_chain(ledger)
+        done = await _eval_step(ledger, cluster_client, 1, head.generation)
+        assert done["durable"] is True
+        master = redis_cluster.master_of("kvl:{replica:r1}:lineage")
+        with _sync(master) as r:
+            info = r.info("replication")
+        replica_port = int(info["slave0"]["port"])
+        with redis.Redis(port=replica_port) as r:
+            assert r.execute_command("READONLY") in (b"OK", True, "OK")
+            assert r.xlen("kvl:{replica:r1}:lineage") == 1
+    finally:
+        await ledger.close()

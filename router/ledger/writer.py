@@ -31,6 +31,7 @@ from pathlib import Path
 import orjson
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import ResponseError
 from redis.typing import EncodableT
 
 from router.ledger.errors import REDIS_FAILURES
@@ -316,6 +317,18 @@ class Writer:
                 step = job.step
                 assert step is not None
                 job.step = Step(step.replica, step.generation, step.digest, step.exact, now_ms)
+        try:
+            return await self._send_steps(jobs)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+        # A cluster's pipeline sends EVALSHA as it is (redis-py's single-node pipeline loads
+        # the scripts itself): a master promoted in a failover has none cached. Load them on
+        # every master, then send the batch again (its steps are idempotent: their step keys).
+        await self._scripts.load()
+        return await self._send_steps(jobs)
+
+    async def _send_steps(self, jobs: list[Job]) -> list[object]:
         pipe = self._client.pipeline(transaction=False)
         # Older than its step key's life (less a margin for clocks): the key may be gone.
         ttl = self._cfg.step_ttl_s
