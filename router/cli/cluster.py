@@ -176,6 +176,12 @@ class LocalCluster:
                 return True
         return False
 
+    def flushall(self) -> None:
+        """Empty every master (their replicas follow)."""
+        for node in self.nodes:
+            if node.running and "role:master" in node.command("INFO", "replication"):
+                node.command("FLUSHALL")
+
     def master_of(self, key: str) -> ClusterNode:
         """The running node that serves ``key``'s slot now."""
         for node in self.nodes:
