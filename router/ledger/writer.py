@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.typing import EncodableT
 
 from router.ledger.errors import REDIS_FAILURES
@@ -320,7 +320,7 @@ class Writer:
         try:
             return await self._send_steps(jobs)
         except ResponseError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
+            if not isinstance(exc, NoScriptError) and not str(exc).startswith("NOSCRIPT"):
                 raise
         # A cluster's pipeline sends EVALSHA as it is (redis-py's single-node pipeline loads
         # the scripts itself): a master promoted in a failover has none cached. Load them on
