@@ -5,9 +5,15 @@ hold, and the eval run (on a shard that did not fail) stayed durable and unbroke
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,12 +24,13 @@ import urllib3
 from redis.cluster import ClusterNode as SyncNode
 from redis.cluster import RedisCluster
 
-from backends.sim.launcher import Replica
+from backends.sim.launcher import Replica, free_ports
 from bench.workload import DEFAULT_MAX_TOKENS, Episode, make_episodes
 from tests.eval_helpers import begin, chained, cli, client, complete, end
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy
 from tests.servers import LocalCluster
+from tests.test_up import chat
 
 EPISODES = make_episodes(80)[:8]
 WAIT_MS = 1000  # production and eval steps wait this long for the replica's acknowledgement
@@ -208,3 +215,50 @@ def test_the_cluster_nodes_are_real_servers(cluster: LocalCluster) -> None:
             masters += r.info("replication")["role"] == "master"
             assert r.cluster("info")["cluster_slots_assigned"] == 16384
     assert masters == 3
+
+
+def test_up_with_a_redis_cluster_serves_and_the_commands_read_it(tmp_path: Path) -> None:
+    """``kvledger up --redis-cluster 3``: 6 redis-servers (3 masters, 1 replica each), the
+    proxy on the cluster; the printed request works, the printed settings let ``kvledger audit
+    chain`` and ``lineage tail`` read the cluster; Ctrl-C stops every process it started."""
+    port = free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KVL_REDIS_URL")}
+    command = [sys.executable, "-m", "router.cli", "up", "--port", str(port)]
+    command += ["--workdir", str(tmp_path), "--redis-cluster", "3"]
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    assert up.stdout is not None
+    output = b""
+    deadline = time.monotonic() + 180
+    while b"Ctrl-C stops everything" not in output and time.monotonic() < deadline:
+        line = up.stdout.readline()
+        if not line:
+            break
+        output += line
+    text = output.decode()
+    try:
+        assert "redis+cluster://" in text, text
+        key = re.search(r"API key \(shown once\): (\S+)", text)
+        assert key is not None, text
+        status, _, body = chat(port, key.group(1), "Hello!")
+        assert status == 200 and not body["kvledger"]["pending"], body
+        exported = re.search(r"export (KVL_URL=\S+ KVL_REDIS_URL=\S+ KVL_ADMIN_TOKEN=\S+)", text)
+        assert exported is not None, text
+        cli_env = {**env, **dict(v.split("=", 1) for v in exported.group(1).split())}
+        for args in (["audit", "chain"], ["lineage", "tail", "--json"]):
+            done = subprocess.run(
+                [sys.executable, "-m", "router.cli", *args],
+                capture_output=True,
+                text=True,
+                env=cli_env,
+                timeout=120,
+            )
+            assert done.returncode == 0, done.stderr + done.stdout
+            assert body["kvledger"]["request_id"] in done.stdout or "every chain holds" in (
+                done.stdout
+            )
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, rest.decode()
+    pids = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+    assert pids.strip() == "", f"processes left behind: {pids}"

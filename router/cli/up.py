@@ -37,6 +37,14 @@ def register(commands: Any) -> None:
     )
     up.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
     up.add_argument("--workdir", type=Path, help="keep config, logs and spool here")
+    up.add_argument(
+        "--redis-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a local Redis Cluster instead of one redis-server: N masters (3 or more), "
+        "1 replica each (see router/cli/cluster.py)",
+    )
     up.set_defaults(run=run_up)
 
 
@@ -55,6 +63,19 @@ def _redis(workdir: Path) -> Iterator[str]:
         yield server.url
     finally:
         server.close()
+
+
+@contextlib.contextmanager
+def _cluster(workdir: Path, args: argparse.Namespace) -> Iterator[str]:
+    """A local Redis Cluster in ``workdir`` for as long as we run (its ``redis+cluster://`` URL)."""
+    from router.cli.cluster import LocalCluster
+
+    cluster = LocalCluster(args.redis_cluster, 1, workdir=workdir / "redis-cluster")
+    cluster.start()
+    try:
+        yield cluster.url
+    finally:
+        cluster.close()
 
 
 def _banner(port: int, key: str, workdir: Path, redis_url: str, token: str) -> str:
@@ -107,7 +128,8 @@ def run_up(args: argparse.Namespace) -> int:
     token = os.environ.get("KVL_ADMIN_TOKEN") or secrets.token_urlsafe(18)
     print(f"starting Redis and {total} stand-in replicas...", flush=True)
     try:
-        with _redis(workdir) as redis_url, launch(specs, workdir=workdir / "replicas") as running:
+        redis = _redis(workdir) if not args.redis_cluster else _cluster(workdir, args)
+        with redis as redis_url, launch(specs, workdir=workdir / "replicas") as running:
             key = local.create_key(redis_url, "demo", replace=True)
             proxy = local.ProxyProcess(
                 config_snippet(running),
