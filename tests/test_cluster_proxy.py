@@ -30,7 +30,10 @@ from tests.eval_helpers import begin, chained, cli, client, complete, end
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy
 from tests.servers import LocalCluster
+from tests.test_compose import BASE, active_services, needs_compose, project
 from tests.test_up import chat
+
+__all__ = ["project"]  # the fixture, used by name
 
 EPISODES = make_episodes(80)[:8]
 WAIT_MS = 1000  # production and eval steps wait this long for the replica's acknowledgement
@@ -262,3 +265,28 @@ def test_up_with_a_redis_cluster_serves_and_the_commands_read_it(tmp_path: Path)
     assert up.returncode == 0, rest.decode()
     pids = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
     assert pids.strip() == "", f"processes left behind: {pids}"
+
+
+@needs_compose
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_the_compose_cluster_override_puts_the_proxy_on_six_cluster_nodes(
+    project: Path, profile: str
+) -> None:
+    """compose/docker-compose.cluster.yml validates on top of docker-compose.yml: six cluster
+    nodes, one that creates the cluster, and the profile's proxy on a redis+cluster:// URL that
+    names nodes of this file, started only after the cluster was created."""
+    services = active_services(project, profile, BASE, "docker-compose.cluster.yml")
+    nodes = {name for name in services if name.startswith("redis-") and name[6:].isdigit()}
+    assert len(nodes) == 6
+    for name in nodes:
+        command = services[name]["command"]
+        assert "--cluster-enabled" in command and name in command  # announces its own name
+    proxy = services[f"kvledger-{profile}"]
+    url = proxy["environment"]["KVL_REDIS_URL"]
+    hosts = {node.split(":")[0] for node in url.removeprefix("redis+cluster://").split(",")}
+    assert url.startswith("redis+cluster://") and hosts <= nodes
+    assert proxy["depends_on"]["redis-cluster-init"]["condition"] == (
+        "service_completed_successfully"
+    )
+    init = " ".join(services["redis-cluster-init"]["command"])
+    assert "--cluster-replicas 1" in init and all(f"{n}:6379" in init for n in nodes)
