@@ -19,7 +19,6 @@ from typing import Any
 import openai
 import orjson
 import pytest
-import redis
 import urllib3
 from redis.cluster import ClusterNode as SyncNode
 from redis.cluster import RedisCluster
@@ -208,16 +207,6 @@ def test_a_master_killed_under_traffic_loses_no_answered_record(
     finally:
         for proxy in proxies:
             proxy.stop()
-
-
-def test_the_cluster_nodes_are_real_servers(cluster: LocalCluster) -> None:
-    """Sanity for the fixture: 3 masters with 1 replica each, every slot served."""
-    masters = 0
-    for node in cluster.nodes:
-        with redis.Redis(port=node.port) as r:
-            masters += r.info("replication")["role"] == "master"
-            assert r.cluster("info")["cluster_slots_assigned"] == 16384
-    assert masters == 3
 
 
 def test_up_with_a_redis_cluster_serves_and_the_commands_read_it(tmp_path: Path) -> None:

@@ -16,6 +16,9 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import hiredis
 
 from router.cli.local import LocalError
 
@@ -53,24 +56,33 @@ class ClusterNode:
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.command("PING").startswith("+PONG"):
+            if self.command("PING") == b"PONG":
                 return
             time.sleep(0.05)
         self.stop()
         raise LocalError(f"redis-server (cluster node) did not answer on port {self.port}")
 
-    def command(self, *args: str, timeout_s: float = 2.0) -> str:
-        """One command's raw reply (RESP text), or '' when the node does not answer."""
+    def command(self, *args: str, timeout_s: float = 2.0) -> Any:
+        """One command's reply, parsed (bytes, int, lists; an error reply as an exception
+        object), or None when the node does not answer."""
         payload = "".join(f"${len(a.encode())}\r\n{a}\r\n" for a in args)
+        reader = hiredis.Reader()
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=timeout_s) as s:
                 s.sendall(f"*{len(args)}\r\n{payload}".encode())
-                chunks = [s.recv(65536)]
-                while chunks[-1] and not _complete(b"".join(chunks)):
-                    chunks.append(s.recv(65536))
-                return b"".join(chunks).decode(errors="replace")
+                while (reply := reader.gets()) is False:
+                    data = s.recv(65536)
+                    if not data:
+                        return None
+                    reader.feed(data)
+                return reply
         except OSError:
-            return ""
+            return None
+
+    def text(self, *args: str) -> str:
+        """A command's reply as text ('' when the node does not answer or it is no text)."""
+        reply = self.command(*args)
+        return reply.decode(errors="replace") if isinstance(reply, bytes) else ""
 
     def kill(self) -> None:
         """``kill -9``: no goodbye to the cluster, no last write to disk."""
@@ -159,18 +171,34 @@ class LocalCluster:
         raise LocalError(f"the cluster did not settle within {timeout_s:g} s")
 
     def _settled(self, node: ClusterNode) -> bool:
-        if "cluster_state:ok" not in node.command("CLUSTER", "INFO"):
+        if "cluster_state:ok" not in node.text("CLUSTER", "INFO"):
             return False
-        info = node.command("INFO", "replication")
+        info = node.text("INFO", "replication")
         if "role:master" in info:
-            return f"connected_slaves:{self.replicas}" in info or not self._has_replicas(node)
+            if not self._has_replicas(node):
+                return True
+            # In sync, and known as such to the cluster (CLUSTER SLOTS lists its replicas).
+            return f"connected_slaves:{self.replicas}" in info and self._listed(node)
         return "master_link_status:up" in info
+
+    def _listed(self, node: ClusterNode) -> bool:
+        """True when every running node's CLUSTER SLOTS lists a replica with ``node``'s slots
+        (a client's slot map then knows a WAIT there can be acknowledged)."""
+        for other in self.nodes:
+            if not other.running:
+                continue
+            ranges = other.command("CLUSTER", "SLOTS")
+            if not isinstance(ranges, list):
+                return False
+            mine = [r for r in ranges if int(r[2][1]) == node.port]
+            if not mine or any(len(r) < 4 for r in mine):
+                return False
+        return True
 
     def _has_replicas(self, node: ClusterNode) -> bool:
         """False for a master whose replicas are all down (nothing to wait for)."""
-        mine = node.command("CLUSTER", "MYID").split("\r\n")
-        me = mine[1] if len(mine) > 1 else ""
-        for line in node.command("CLUSTER", "NODES").splitlines():
+        me = node.text("CLUSTER", "MYID").strip()
+        for line in node.text("CLUSTER", "NODES").splitlines():
             parts = line.split(" ")
             if len(parts) > 3 and parts[3] == me and "fail" not in parts[2]:
                 return True
@@ -179,7 +207,7 @@ class LocalCluster:
     def flushall(self) -> None:
         """Empty every master (their replicas follow)."""
         for node in self.nodes:
-            if node.running and "role:master" in node.command("INFO", "replication"):
+            if node.running and "role:master" in node.text("INFO", "replication"):
                 node.command("FLUSHALL")
 
     def master_of(self, key: str) -> ClusterNode:
@@ -187,9 +215,8 @@ class LocalCluster:
         for node in self.nodes:
             if not node.running:
                 continue
-            reply = node.command("CLUSTER", "KEYSLOT", key)
-            slot = int(reply[1:].strip())
-            for line in node.command("CLUSTER", "NODES").splitlines():
+            slot = int(node.command("CLUSTER", "KEYSLOT", key))
+            for line in node.text("CLUSTER", "NODES").splitlines():
                 parts = line.split(" ")
                 if len(parts) < 8 or "master" not in parts[2] or "fail" in parts[2]:
                     continue
@@ -207,6 +234,45 @@ class LocalCluster:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class RedisReplica:
+    """A ``redis-server --replicaof`` the master on ``master_port``; started in sync with it."""
+
+    def __init__(self, master_port: int) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise LocalError("redis-server is not installed")
+        self.binary, self.master_port = binary, master_port
+        self.port = free_ports(1)[0]
+        self.dir = Path(tempfile.mkdtemp(prefix="kvl-replica-"))
+        self.node = ClusterNode(binary, self.port, 0, self.dir, 0)  # for its command()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 20) -> None:
+        command = [
+            self.binary,
+            *("--port", str(self.port), "--bind", "127.0.0.1", "--save", ""),
+            *("--dir", str(self.dir), "--daemonize", "no"),
+            *("--replicaof", "127.0.0.1", str(self.master_port)),
+        ]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "master_link_status:up" in self.node.text("INFO", "replication"):
+                return
+            time.sleep(0.05)
+        self.close()
+        raise LocalError(f"the replica on port {self.port} did not sync with its master")
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct loopback ports free now (held open together while chosen)."""
     socks = [socket.socket() for _ in range(count)]
@@ -217,14 +283,3 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def _complete(data: bytes) -> bool:
-    """A whole simple reply read (enough for the status, integer and bulk replies used here)."""
-    if data[:1] in (b"+", b"-", b":"):
-        return data.endswith(b"\r\n")
-    if data[:1] == b"$":
-        head, _, body = data.partition(b"\r\n")
-        size = int(head[1:])
-        return size < 0 or len(body) >= size + 2
-    return True

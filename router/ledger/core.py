@@ -406,7 +406,8 @@ class Ledger:
 class Durability:
     """Whether a step's master has a replica that a ``WAIT`` can count on. On a cluster, the
     slot map says (a replica listed for the slot); on one node, ``INFO replication``
-    (``connected_slaves``), read at start and again every ``CHECK_EVERY_S`` in the background.
+    (``connected_slaves``). Either is read at start and again every ``CHECK_EVERY_S`` in the
+    background (a replica added, or lost, is seen within that).
     Without a replica no ``WAIT`` is sent (it could only time out) and records carry no
     ``durable`` field: durability was not asked of a Redis that cannot give it."""
 
@@ -419,12 +420,12 @@ class Durability:
         self._checking: asyncio.Task[None] | None = None
 
     def replicated(self, key: str) -> bool:
-        if isinstance(self._wire, ClusterWire):
-            return self._wire.replicated(key)
         if time.monotonic() - self._checked_at > self.CHECK_EVERY_S and (
             self._checking is None or self._checking.done()
         ):
             self._checking = asyncio.ensure_future(self.check())
+        if isinstance(self._wire, ClusterWire):
+            return self._wire.replicated(key)
         return self._single
 
     async def check(self) -> None:
