@@ -16,7 +16,8 @@ The setups: ``1 node`` (appendonly on, no replica), ``1 node + WAIT`` (a replica
 the cluster's figure is what one proxy gets from it; the cluster's gain is capacity for many
 proxies (each master takes a third of the steps), which one client on a 2-core machine cannot
 show: see docs/results/ledger-scale.md for the arithmetic. Times vary with the machine; compare
-the rows of one run.
+the rows of one run. *Redis µs/step* is Redis' own time in the step's script (``INFO
+commandstats``), the figure that sizes a fleet's masters.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from router.cli.cluster import LocalCluster, RedisReplica
 from router.cli.local import RedisServer
 from router.ledger import Ledger, LedgerConfig
 from router.ledger.chain import request_digest, text_digest
-from router.ledger.connect import connect
+from router.ledger.connect import connect, is_cluster
 
 ENGINE = "bench|ensemble|v1"
 
@@ -92,17 +93,33 @@ async def _measure(url: str, args: argparse.Namespace, wait_ms: int) -> dict[str
             for _ in queue:
                 await one()
 
+        before = await _script_usec(client)
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         elapsed = time.perf_counter() - start
+        after = await _script_usec(client)
         return {
             "steps_per_s": args.steps / elapsed,
+            "redis_us": (after[0] - before[0]) / max(1, after[1] - before[1]),
             "p50_ms": statistics.median(serial) * 1000,
             "p99_ms": sorted(serial)[int(len(serial) * 0.99) - 1] * 1000,
         }
     finally:
         await ledger.close()
         await client.aclose()
+
+
+async def _script_usec(client: Any) -> tuple[float, int]:
+    """Redis' own time in the chain step's script (``EVALSHA``, ``INFO commandstats``) summed
+    over the masters, and its calls: Redis CPU per step, whatever the client's speed."""
+    if is_cluster(client):
+        per_node = await client.info("commandstats", target_nodes="primaries")
+        stats = list(per_node.values())
+    else:
+        stats = [await client.info("commandstats")]
+    usec = sum(float(s.get("cmdstat_evalsha", {}).get("usec", 0)) for s in stats)
+    calls = sum(int(s.get("cmdstat_evalsha", {}).get("calls", 0)) for s in stats)
+    return usec, calls
 
 
 @contextlib.contextmanager
@@ -153,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps, {args.concurrency} in flight, {args.replicas} replicas; "
         f"p50/p99 of {args.serial} serial steps\n"
     )
-    print("| setup | chain steps/s | vs 1 node | added p50 ms | added p99 ms |")
-    print("|---|---:|---:|---:|---:|")
+    print("| setup | chain steps/s | vs 1 node | added p50 ms | added p99 ms | Redis µs/step |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, row in rows:
         ratio = row["steps_per_s"] / base["steps_per_s"]
         print(
             f"| {name} | {row['steps_per_s']:,.0f} | {ratio:.2f}x | {row['p50_ms']:.3f} | "
-            f"{row['p99_ms']:.3f} |"
+            f"{row['p99_ms']:.3f} | {row['redis_us']:.1f} |"
         )
     return 0
 
