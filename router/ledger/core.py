@@ -95,7 +95,8 @@ class Ledger:
 
     async def start(self) -> None:
         """Open the spool (a previous process's records are drained first) and start writing."""
-        await self._durable.check()
+        if self._cfg.durable_wait_ms > 0 or self._cfg.production_wait_ms > 0:
+            await self._durable.check(min(2.0, self._cfg.redis_timeout_s * 2))
         try:
             await self._writer.start()
         except OSError as exc:
@@ -104,6 +105,7 @@ class Ledger:
     async def close(self) -> None:
         """Write what Redis takes within ``close_timeout_s``; the rest stays in the spool."""
         await self._writer.close()
+        self._durable.close()
         if self._wire is not None:
             self._wire.close()
 
@@ -428,18 +430,22 @@ class Durability:
             return self._wire.replicated(key)
         return self._single
 
-    async def check(self) -> None:
+    async def check(self, timeout_s: float = 2.0) -> None:
         """Read whether the Redis has a replica now (never raises: unknown keeps the last)."""
         self._checked_at = time.monotonic()
         try:
-            if isinstance(self._wire, ClusterWire):
-                await self._wire.refresh()
-                return
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(timeout_s):
+                if isinstance(self._wire, ClusterWire):
+                    await self._wire.refresh()
+                    return
                 info = await self._client.info("replication")
             self._single = int(info.get("connected_slaves", 0) or 0) > 0
         except REDIS_FAILURES:
             return
+
+    def close(self) -> None:
+        if self._checking is not None:
+            self._checking.cancel()
 
 
 def _head(replica_id: str, raw: list[Any]) -> ChainHead:
