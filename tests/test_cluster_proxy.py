@@ -25,10 +25,10 @@ from redis.cluster import RedisCluster
 
 from backends.sim.launcher import Replica, free_ports
 from bench.workload import DEFAULT_MAX_TOKENS, Episode, make_episodes
-from tests.eval_helpers import begin, chained, cli, client, complete, end
+from tests.eval_helpers import admin, begin, chained, cli, client, complete, end
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy
-from tests.servers import LocalCluster
+from tests.servers import LocalCluster, RedisReplica, RedisServer
 from tests.test_compose import BASE, active_services, needs_compose, project
 from tests.test_up import chat
 
@@ -279,3 +279,46 @@ def test_the_compose_cluster_override_puts_the_proxy_on_six_cluster_nodes(
     )
     init = " ".join(services["redis-cluster-init"]["command"])
     assert "--cluster-replicas 1" in init and all(f"{n}:6379" in init for n in nodes)
+
+
+@pytest.mark.parametrize("breaks", [False, True])
+def test_an_eval_record_no_replica_acknowledged_says_so_and_may_break_its_run(
+    replicas: dict[str, Replica], breaks: bool
+) -> None:
+    """One Redis with a replica: eval records are answered ``durable: true``. The replica
+    killed, the next record waits ``durable_wait_ms`` and is answered ``durable: false``; the run
+    names it (``not_durable``), and with ``break_on_not_durable`` the run is broken (the next
+    request refused 503 with the reason)."""
+    server = RedisServer()
+    server.start()
+    follower = RedisReplica(server.port)
+    follower.start()
+    extra = f"\n[eval]\ndurable_wait_ms = 500\nbreak_on_not_durable = {str(breaks).lower()}\n"
+    proxy = Proxy(list(replicas.values()), server.url, extra=extra)
+    try:
+        proxy.start()
+        made = cli(proxy, "keys", "create", "arm-d", "--mode", "eval", "--cache", "off")
+        assert made.returncode == 0, made.stderr
+        sdk = client(proxy, made.stdout.strip())
+        run = begin(proxy, "arm-d")
+        _, _, first = complete(sdk, "first eval request")
+        assert first["durable"] is True
+        follower.close()
+        _, _, second = complete(sdk, "second eval request")
+        assert second["durable"] is False and not second["pending"]
+        assert "not acknowledged by a Redis replica" in second["warning"]
+        shown = LedgerView(server.url).tail(run=run["id"])
+        assert [r["durable"] for r in shown] == [True, False]
+        status, meta = admin(proxy, "GET", f"/admin/runs/{run['id']}")
+        assert status == 200, meta
+        if breaks:
+            assert meta["run"]["status"] == "broken", meta
+            with pytest.raises(openai.InternalServerError, match="not acknowledged"):
+                complete(sdk, "third eval request")
+        else:
+            assert meta["run"]["status"] != "broken", meta
+            assert meta["run"]["not_durable"] == second["request_id"], meta
+    finally:
+        proxy.stop()
+        follower.close()
+        server.close()

@@ -231,7 +231,10 @@ class ClusterWire:
                     host = node[0]
                 owner[low : high + 1] = [(host, int(master[1]))] * (high - low + 1)
                 replicated[low : high + 1] = [len(entry) > 3] * (high - low + 1)
-            self._owner, self._replicated = owner, replicated
+            # Once listed, a slot's replica is expected (see ``core.Durability``): a master
+            # promoted without one answers its WAITs late, durable: false, not silently none.
+            self._owner = owner
+            self._replicated = [a or b for a, b in zip(self._replicated, replicated, strict=True)]
             return
         raise ConnectionError(f"no cluster node answered CLUSTER SLOTS: {failure}")
 

@@ -411,7 +411,9 @@ class Durability:
     (``connected_slaves``). Either is read at start and again every ``CHECK_EVERY_S`` in the
     background (a replica added, or lost, is seen within that).
     Without a replica no ``WAIT`` is sent (it could only time out) and records carry no
-    ``durable`` field: durability was not asked of a Redis that cannot give it."""
+    ``durable`` field: durability was not asked of a Redis that cannot give it. Once seen, a
+    replica is expected for as long as this process runs: its loss shows as ``durable: false``
+    (the WAIT times out), never as records that silently stop asking."""
 
     CHECK_EVERY_S = 10.0
 
@@ -439,7 +441,7 @@ class Durability:
                     await self._wire.refresh()
                     return
                 info = await self._client.info("replication")
-            self._single = int(info.get("connected_slaves", 0) or 0) > 0
+            self._single = self._single or int(info.get("connected_slaves", 0) or 0) > 0
         except REDIS_FAILURES:
             return
 
