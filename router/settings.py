@@ -121,6 +121,9 @@ class LineageSettings:
     request_ttl_s: int = 7 * 24 * 3600
     buffer_size: int = 10_000
     spool_path: Path = Path(DEFAULT_SPOOL)
+    # WAIT 1 <ms> after a production request's chain step (when its master has a replica):
+    # 0, the default, sends none (the request path keeps its one round trip).
+    production_wait_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,11 @@ class EvalSettings:
     continuity_wait_s: float = 2.0  # for the replica's counter to show the request
     # Resets and run begins renew their claim this often; a claim 3 heartbeats old is dead.
     heartbeat_s: float = 1.0
+    # WAIT 1 <ms> after an eval request's chain step, before its response leaves, when its
+    # Redis master has a replica (else no WAIT, and the record has no ``durable`` field).
+    # A record no replica acknowledged in time says ``durable: false``, and so does its run.
+    durable_wait_ms: int = 1000
+    break_on_not_durable: bool = False  # true: such a record breaks its run
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # A Redis Cluster at redis_url (or a redis+cluster://host:port,host:port URL): see
+    # router.ledger.connect. The URL is then kept in its redis+cluster:// form.
+    redis_cluster: bool = False
     admin_token: str | None = None
     admin_token_env: str = "KVL_ADMIN_TOKEN"
     policy: PolicyName = DEFAULT_POLICY
@@ -299,7 +310,7 @@ def build_settings(
         replicas=_replicas(raw, source),
         host=host,
         port=port,
-        redis_url=redis_url or Settings.redis_url,
+        redis_url=_redis_url(redis_url or Settings.redis_url, server, source),
         admin_token=env.get(token_env) or None,
         admin_token_env=token_env,
         policy=cast(PolicyName, policy),  # checked against the policies' names
@@ -311,6 +322,19 @@ def build_settings(
         eval=EvalSettings(**check_table(raw.get("eval", {}), EvalSettings, f"{source}: [eval]")),
         **server,
     )
+
+
+def _redis_url(url: str, server: dict[str, Any], source: str) -> str:
+    """``url``, in its ``redis+cluster://`` form when ``[server] redis_cluster`` is true (the
+    one setting every consumer of the URL then follows)."""
+    if not server.get("redis_cluster"):
+        return url
+    from router.ledger.connect import cluster_url
+
+    try:
+        return cluster_url(url)
+    except ValueError as exc:
+        raise SettingsError(f"{source}: [server] redis_cluster: {exc}") from None
 
 
 def load_settings(path: Path, env: Mapping[str, str]) -> Settings:

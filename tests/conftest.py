@@ -10,7 +10,7 @@ import pytest
 from backends.sim.launcher import Replica, ReplicaSpec, launch
 from backends.sim.repository import ModelSettings
 from router.cli.local import ProxyProcess
-from tests.servers import RedisServer
+from tests.servers import LocalCluster, RedisServer
 
 LOG_LINES = 40
 
@@ -43,6 +43,18 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A Redis Cluster for the session: 3 masters, 1 replica each (cluster-node-timeout 1 s).
+    Tests that use it flush it first; a test that kills a node starts a cluster of its own."""
+    cluster = LocalCluster(3, 1, node_timeout_ms=1000)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
 
 
 @pytest.fixture(scope="session")

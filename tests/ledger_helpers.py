@@ -14,7 +14,8 @@ import structlog
 
 from router.ledger import ChainHead, Ledger, LedgerConfig
 from router.ledger.chain import request_digest, text_digest
-from tests.servers import RedisServer
+from router.ledger.connect import connect
+from tests.servers import LocalCluster, RedisServer
 
 ENGINE = "trtllm-0.13|ensemble|v1"
 
@@ -24,6 +25,23 @@ async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
     redis = aioredis.Redis.from_url(
         redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5
     )
+    yield redis
+    await redis.aclose()
+
+
+@pytest.fixture(params=["single", "cluster"])
+async def any_client(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis]:
+    """A client of a private single redis-server, then of the session's Redis Cluster (flushed
+    first): the tests that take it run against both."""
+    if request.param == "single":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = server.url
+    else:
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        url = cluster.url
+    redis = connect(url, timeout_s=2.0, connect_timeout_s=2.0)
+    if request.param == "cluster":
+        await redis.flushall(target_nodes="primaries")  # type: ignore[call-arg]
     yield redis
     await redis.aclose()
 

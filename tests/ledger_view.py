@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
 import structlog
 
 from router.ledger import Ledger, LedgerConfig
 from router.ledger.chain import genesis
+from router.ledger.connect import connect
 
 T = TypeVar("T")
 
@@ -24,7 +24,7 @@ class LedgerView:
 
     def _run(self, use: Callable[[Ledger], Awaitable[T]]) -> T:
         async def go() -> T:
-            client = aioredis.Redis.from_url(self.redis_url)
+            client = connect(self.redis_url, timeout_s=10, connect_timeout_s=5)
             ledger = Ledger(client, LedgerConfig(spool_path=self.spool), structlog.get_logger())
             try:
                 return await use(ledger)

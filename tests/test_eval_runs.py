@@ -15,23 +15,37 @@ from router.ledger.chain import genesis
 from tests.eval_helpers import admin, begin, chained, cli, client, complete, end, play
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy
-from tests.servers import RedisServer
+from tests.servers import LocalCluster, RedisServer
 
 EPISODES = make_episodes(80)[:12]
 
 
 @pytest.fixture(scope="module")
-def stack(replicas: dict[str, Replica]) -> Iterator[tuple[Proxy, LedgerView]]:
-    """One proxy in front of r1, r2 (reuse on) and r3 (reuse off), with its own Redis."""
-    redis = RedisServer()
-    redis.start()
-    proxy = Proxy(list(replicas.values()), redis.url)
+def stack(
+    replicas: dict[str, Replica], request: pytest.FixtureRequest
+) -> Iterator[tuple[Proxy, LedgerView]]:
+    """One proxy in front of r1, r2 (reuse on) and r3 (reuse off), with its own Redis, or
+    (``cluster``, see ON_BOTH) on the session's Redis Cluster, flushed first."""
+    if getattr(request, "param", "single") == "cluster":
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        url, redis = cluster.url, None
+    else:
+        redis = RedisServer()
+        redis.start()
+        url = redis.url
+    proxy = Proxy(list(replicas.values()), url)
     proxy.start()
     try:
-        yield proxy, LedgerView(redis.url)
+        yield proxy, LedgerView(url)
     finally:
         proxy.stop()
-        redis.close()
+        if redis is not None:
+            redis.close()
+
+
+# The representative tests that run on one node and on a 3-master cluster.
+ON_BOTH = pytest.mark.parametrize("stack", ["single", "cluster"], indirect=True)
 
 
 def signatures(records: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -45,6 +59,7 @@ def diff(proxy: Proxy, run_a: str, run_b: str) -> dict[str, Any]:
     return found
 
 
+@ON_BOTH
 def test_reset_arm_reruns_identically(stack: tuple[Proxy, LedgerView]) -> None:
     """A reset arm run twice: same outputs, same state chain, no divergence, reuse inside a run."""
     proxy, ledger = stack
@@ -73,6 +88,7 @@ def test_reset_arm_reruns_identically(stack: tuple[Proxy, LedgerView]) -> None:
     assert summary["episodes"] == len(EPISODES) and summary["diverged"] == 0
 
 
+@ON_BOTH
 def test_shared_arm_diverges_and_explain_proves_the_cache(stack: tuple[Proxy, LedgerView]) -> None:
     """A shared arm reruns on the warm cache: episodes diverge, each classified by a rule that
     could fail; replay proves at least one divergence caused by cache state (each run's output

@@ -14,10 +14,18 @@ import redis.asyncio as aioredis
 from router.ledger.chain import RequestDigest, fold, genesis, request_digest, step, text_digest
 from router.ledger.core import Fence
 from router.ledger.records import stamp, template, with_chain
-from tests.ledger_helpers import ENGINE, client, fresh_chain, lineage, make_ledger, record
+from tests.ledger_helpers import (
+    ENGINE,
+    any_client,
+    client,
+    fresh_chain,
+    lineage,
+    make_ledger,
+    record,
+)
 from tests.servers import RedisServer
 
-__all__ = ["client"]  # the fixture, used by name
+__all__ = ["any_client", "client"]  # the fixtures, used by name
 
 
 def test_a_request_digest_hashed_in_two_halves_is_the_digest_of_the_whole() -> None:
@@ -39,9 +47,9 @@ def test_a_request_digest_hashed_in_two_halves_is_the_digest_of_the_whole() -> N
     assert request_digest("ensemble", "p", params, "a") != moved
 
 
-async def test_python_step_equals_lua_step(client: aioredis.Redis, tmp_path: Path) -> None:
+async def test_python_step_equals_lua_step(any_client: aioredis.Redis, tmp_path: Path) -> None:
     """The chain Redis computes is the chain anyone can recompute in Python from the digests."""
-    ledger = make_ledger(client, tmp_path / "spool")
+    ledger = make_ledger(any_client, tmp_path / "spool")
     head = await fresh_chain(ledger)
     assert head.state == genesis(ENGINE) and head.known
     records = [record(i, generation=head.generation) for i in range(20)]
@@ -105,15 +113,15 @@ async def test_generation_numbers_never_repeat_after_redis_lost_everything(
 
 
 async def test_a_step_retried_moves_the_chain_and_writes_the_record_once(
-    client: aioredis.Redis, tmp_path: Path
+    any_client: aioredis.Redis, tmp_path: Path
 ) -> None:
     """A retried step (its reply was lost) gets the first answer: one step, one stream entry."""
-    ledger = make_ledger(client, tmp_path / "spool")
+    ledger = make_ledger(any_client, tmp_path / "spool")
     head = await fresh_chain(ledger)
     first = await ledger.commit(record(7, generation=head.generation))
     second = await ledger.commit(record(7, generation=head.generation))
     assert second["state_after"] == first["state_after"] and second["seq"] == first["seq"] == 0
-    assert len(await lineage(client)) == 1
+    assert len(await lineage(any_client)) == 1
     assert (await ledger.head("r1")).seq == 1
 
 
@@ -174,13 +182,13 @@ async def test_generations_say_why_and_whether_the_cache_was_seen_empty(
 
 
 async def test_a_fenced_step_that_lost_its_turn_is_unordered(
-    client: aioredis.Redis, tmp_path: Path
+    any_client: aioredis.Redis, tmp_path: Path
 ) -> None:
     """An eval step whose turn expired still moves the chain, to a fresh unknown state, and its
     record says the order was lost; the next record descends from an unknown state."""
-    ledger = make_ledger(client, tmp_path / "spool")
+    ledger = make_ledger(any_client, tmp_path / "spool")
     gen = (await fresh_chain(ledger)).generation
-    await client.set("kvl:{replica:r1}:turn", "7")
+    await any_client.set("kvl:{replica:r1}:turn", "7")
     held = await ledger.fenced_commit(record(1, generation=gen), Fence("7", "arm.1", 1))
     assert held["exact"] and not held["unordered"] and held["state_known"]
     lost = await ledger.fenced_commit(record(2, generation=gen), Fence("6", "arm.1", 2))
@@ -188,7 +196,7 @@ async def test_a_fenced_step_that_lost_its_turn_is_unordered(
     assert lost["state_after"] != step(lost["state_before"], record(2)["digest"])
     after = await ledger.commit(record(3, generation=gen))
     assert after["state_before"] == lost["state_after"] and after["state_known"] is False
-    assert await client.hget("kvl:{replica:r1}:run", "count") == b"1"
+    assert await any_client.hget("kvl:{replica:r1}:run", "count") == b"1"
 
 
 async def test_redis_losing_the_chain_mid_traffic_marks_the_request_stale(

@@ -46,6 +46,14 @@ def register(commands: Any) -> None:
     )
     up.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
     up.add_argument("--workdir", type=Path, help="keep config, logs and spool here")
+    up.add_argument(
+        "--redis-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a local Redis Cluster instead of one redis-server: N masters (3 or more), "
+        "1 replica each (see router/cli/cluster.py)",
+    )
     up.set_defaults(run=run_up)
 
 
@@ -121,6 +129,19 @@ def _key(redis_url: str, state: dict[str, Any]) -> tuple[str, bool]:
     return local.create_key(redis_url, "demo", replace=True), True
 
 
+@contextlib.contextmanager
+def _cluster(workdir: Path, args: argparse.Namespace) -> Iterator[str]:
+    """A local Redis Cluster in ``workdir`` for as long as we run (its ``redis+cluster://`` URL)."""
+    from router.cli.cluster import LocalCluster
+
+    cluster = LocalCluster(args.redis_cluster, 1, workdir=workdir / "redis-cluster")
+    cluster.start()
+    try:
+        yield cluster.url
+    finally:
+        cluster.close()
+
+
 def _banner(port: int, key: str, workdir: Path, redis_url: str, token: str, new: bool) -> str:
     base = f"http://127.0.0.1:{port}"
     where = "shown once" if new else f"the one in {workdir / STATE}"
@@ -178,10 +199,8 @@ def run_up(args: argparse.Namespace) -> int:
     )
     print(f"starting Redis and {total} stand-in replicas...", flush=True)
     try:
-        with (
-            _redis(workdir, state) as redis_url,
-            launch(specs, workdir=workdir / "replicas") as running,
-        ):
+        redis = _redis(workdir, state) if not args.redis_cluster else _cluster(workdir, args)
+        with redis as redis_url, launch(specs, workdir=workdir / "replicas") as running:
             key, new = _key(redis_url, state)
             state.update(
                 api_key=key,

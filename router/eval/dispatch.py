@@ -265,6 +265,8 @@ class EvalDispatcher:
             await self.runs.fail(run["id"], reason, status="broken")
             return self.ledger.defer(record, False, tried=True)
         broken = ctx.keeping.lost
+        if record.get("durable") is False:
+            broken = await self._not_durable(run, record) or broken
         if record["unordered"]:
             broken = "lost the run's turn (it expired): the chain order is no longer the cache's"
             record.update(verified=False, warning=f"run broken: {broken}")
@@ -278,6 +280,22 @@ class EvalDispatcher:
             reason = f"its request's input could not be kept ({exc})"
             await self.runs.fail(run["id"], reason, status="broken")
         return record
+
+    async def _not_durable(self, run: Meta, record: dict[str, Any]) -> str | None:
+        """A record no replica acknowledged within ``durable_wait_ms``: the run says so (its
+        ``not_durable`` field, the request's id), and is broken when ``break_on_not_durable``
+        (the reason returned)."""
+        reason = f"record {record['request_id']} not acknowledged by a Redis replica in time"
+        _log.warning("eval_record_not_durable", run=run["id"], request_id=record["request_id"])
+        if self.settings.break_on_not_durable:
+            record.update(verified=False, warning=f"run broken: {reason}")
+            return reason
+        record["warning"] = reason
+        try:
+            await self.runs.store.update(run["id"], {"not_durable": str(record["request_id"])})
+        except LedgerError:
+            pass  # the record itself says durable: false
+        return None
 
     async def _remember(self, flight: Flight, run: Meta, record: dict[str, Any]) -> None:
         """Keep the request's input (for snapshots and explain) and hold the run for another

@@ -83,6 +83,8 @@ def _ledger_config(settings: Settings) -> LedgerConfig:
         request_ttl_s=lineage.request_ttl_s,
         buffer_size=lineage.buffer_size,
         spool_path=lineage.spool_path,
+        durable_wait_ms=settings.eval.durable_wait_ms,
+        production_wait_ms=lineage.production_wait_ms,
     )
 
 

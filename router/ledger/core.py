@@ -33,6 +33,8 @@ from redis.typing import EncodableT
 
 from router.ledger.audit import Auditor, ChainAudit
 from router.ledger.chain import Advance, ChainHead, genesis
+from router.ledger.cluster_wire import ClusterWire
+from router.ledger.connect import is_cluster
 from router.ledger.epoch import LOST_REASON, Epoch, EpochLoss
 from router.ledger.errors import (
     REDIS_FAILURES,
@@ -85,7 +87,11 @@ class Ledger:
         self._cfg = config
         self._log = log
         self._scripts = Scripts(client)
-        self._wire = Wire.like(client)  # the chain step's own connection (see ``wire``)
+        # The chain step's own connection(s) (see ``wire`` and ``cluster_wire``).
+        self._wire: Wire | ClusterWire | None = (
+            ClusterWire.like(client) if is_cluster(client) else Wire.like(client)
+        )
+        self._durable = Durability(client, self._wire)
         self.epoch = Epoch(client)
         self.persistence = "unknown"  # what Redis does to keep its data: see ``persistence``
         self._writer = Writer(
@@ -95,6 +101,8 @@ class Ledger:
 
     async def start(self) -> None:
         """Open the spool (a previous process's records are drained first) and start writing."""
+        if self._cfg.durable_wait_ms > 0 or self._cfg.production_wait_ms > 0:
+            await self._durable.check(min(2.0, self._cfg.redis_timeout_s * 2))
         try:
             await self._writer.start()
         except OSError as exc:
@@ -106,6 +114,7 @@ class Ledger:
     async def close(self) -> None:
         """Write what Redis takes within ``close_timeout_s``; the rest stays in the spool."""
         await self._writer.close()
+        self._durable.close()
         if self._wire is not None:
             self._wire.close()
 
@@ -294,20 +303,58 @@ class Ledger:
             script = self._scripts.fenced_step
         elif uncertain:
             script = self._scripts.uncertain_step
-        step = advance_from(replica, await self._run(script, keys, args))
+        wait_ms = self._wait_ms(keys[0], eval_step=fence is not None)
+        raw, acked = await self._run_waiting(script, keys, args, wait_ms)
+        step = advance_from(replica, raw)
         if step is None:  # Redis lost the chain: start an unknown one, then step (stale)
             await self._ensure_unknown(replica, str(record["engine_digest"]))
             earlier = record.get("warning")
             record["warning"] = LOST_REASON if not earlier else f"{LOST_REASON}; {earlier}"
             data = args[2] = template(record)
-            step = advance_from(replica, await self._run(script, keys, args))
+            raw, acked = await self._run_waiting(script, keys, args, wait_ms)
+            step = advance_from(replica, raw)
         if step is None:
             raise UnknownReplica(f"replica {replica!r} has no chain")
         fields = chain_fields(step, exact)
         record.update(fields)
+        entry = with_chain(data, fields)
+        if wait_ms:  # the stream's copy was written before the WAIT: only the answer says it
+            record["durable"] = acked > 0
+            entry = entry[:-1] + (b',"durable":true}' if acked > 0 else b',"durable":false}')
         if record.get("run") is not None:
-            self._writer.index(request_id, record["run"], with_chain(data, fields))
+            self._writer.index(request_id, record["run"], entry)
         return record
+
+    def _wait_ms(self, key: str, *, eval_step: bool) -> int:
+        """How long the step's ``WAIT`` may take: 0 (no WAIT) unless the setting asks for one
+        (``durable_wait_ms`` for eval steps, ``production_wait_ms`` for the others) and the
+        master of ``key`` has a replica to acknowledge it (see :class:`Durability`)."""
+        wait_ms = self._cfg.durable_wait_ms if eval_step else self._cfg.production_wait_ms
+        if wait_ms <= 0 or not self._durable.replicated(key):
+            return 0
+        return wait_ms
+
+    async def _run_waiting(
+        self, script: AsyncScript, keys: list[str], args: list[EncodableT], wait_ms: int
+    ) -> tuple[Any, int]:
+        """:meth:`_run`, then (``wait_ms`` > 0) ``WAIT 1 wait_ms`` on the same connection:
+        the reply and the replicas that acknowledged the step (-1: no WAIT asked)."""
+        if not wait_ms:
+            return await self._run(script, keys, args), -1
+        timeout_s = self._cfg.redis_timeout_s + wait_ms / 1000
+        try:
+            if self._wire is not None:
+                return await self._wire.script_wait(script, keys, args, timeout_s, wait_ms)
+            async with asyncio.timeout(timeout_s):
+                pipe = self._client.pipeline(transaction=False)  # one connection: WAIT counts it
+                await script(keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", 1, wait_ms)
+                reply, acked = await pipe.execute()
+                return reply, int(acked)
+        except REDIS_FAILURES as exc:
+            error = unavailable("chain step", exc)
+            self._writer.went_down(error)
+            raise error from exc
 
     async def _run(self, script: AsyncScript, keys: list[str], args: list[EncodableT]) -> Any:
         """The request path's one Redis call, on the wire when there is one, within
@@ -396,6 +443,51 @@ class Ledger:
         except LedgerUnavailable as exc:
             self._writer.went_down(exc)
             raise
+
+
+class Durability:
+    """Whether a step's master has a replica that a ``WAIT`` can count on. On a cluster, the
+    slot map says (a replica listed for the slot); on one node, ``INFO replication``
+    (``connected_slaves``). Either is read at start and again every ``CHECK_EVERY_S`` in the
+    background (a replica added, or lost, is seen within that).
+    Without a replica no ``WAIT`` is sent (it could only time out) and records carry no
+    ``durable`` field: durability was not asked of a Redis that cannot give it. Once seen, a
+    replica is expected for as long as this process runs: its loss shows as ``durable: false``
+    (the WAIT times out), never as records that silently stop asking."""
+
+    CHECK_EVERY_S = 10.0
+
+    def __init__(self, client: aioredis.Redis, wire: Wire | ClusterWire | None) -> None:
+        self._client, self._wire = client, wire
+        self._single = False
+        self._checked_at = -1e9
+        self._checking: asyncio.Task[None] | None = None
+
+    def replicated(self, key: str) -> bool:
+        if time.monotonic() - self._checked_at > self.CHECK_EVERY_S and (
+            self._checking is None or self._checking.done()
+        ):
+            self._checking = asyncio.ensure_future(self.check())
+        if isinstance(self._wire, ClusterWire):
+            return self._wire.replicated(key)
+        return self._single
+
+    async def check(self, timeout_s: float = 2.0) -> None:
+        """Read whether the Redis has a replica now (never raises: unknown keeps the last)."""
+        self._checked_at = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout_s):
+                if isinstance(self._wire, ClusterWire):
+                    await self._wire.refresh()
+                    return
+                info = await self._client.info("replication")
+            self._single = self._single or int(info.get("connected_slaves", 0) or 0) > 0
+        except REDIS_FAILURES:
+            return
+
+    def close(self) -> None:
+        if self._checking is not None:
+            self._checking.cancel()
 
 
 def _head(replica_id: str, raw: list[Any]) -> ChainHead:

@@ -167,3 +167,15 @@ class Scripts:
         self.step: AsyncScript = client.register_script(STEP_LUA)
         self.fenced_step: AsyncScript = client.register_script(FENCED_STEP_LUA)
         self.uncertain_step: AsyncScript = client.register_script(UNCERTAIN_STEP_LUA)
+        self._client = client
+
+    async def load(self) -> None:
+        """Load every script into Redis' script cache (on a cluster, on every master)."""
+        for script in (
+            self.ensure,
+            self.new_generation,
+            self.step,
+            self.fenced_step,
+            self.uncertain_step,
+        ):
+            await self._client.script_load(script.script)

@@ -222,6 +222,44 @@ class Wire:
                 raise TimeoutError("no reply within the deadline (EVALSHA, then EVAL)")
         return await self.call("EVAL", script.script, *tail, timeout_s=timeout_s)
 
+    async def pipeline(
+        self, commands: Sequence[Sequence[Arg]], timeout_s: float | None = None
+    ) -> list[Any]:
+        """Several commands in order on the one connection (one write), their replies in
+        order, an error reply or a failure as the exception in its place (not raised)."""
+        protocol = await self._ready()
+        futures = [protocol.send(pack(command), timeout_s) for command in commands]
+        return list(await asyncio.gather(*futures, return_exceptions=True))
+
+    async def script_wait(
+        self,
+        script: AsyncScript,
+        keys: Sequence[Arg],
+        args: Sequence[Arg],
+        timeout_s: float | None,
+        wait_ms: int,
+    ) -> tuple[Any, int]:
+        """:meth:`script` followed by ``WAIT 1 wait_ms`` on the same connection, sent together
+        (WAIT counts the replicas that acknowledged this connection's writes so far): the
+        script's reply and the number of replicas that acknowledged it in time (0 when none
+        did, or Redis has no replica). ``timeout_s`` bounds the whole; give it room for
+        ``wait_ms``."""
+        tail = [len(keys), *keys, *args]
+        wait: list[Arg] = ["WAIT", 1, wait_ms]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        reply, acked = await self.pipeline([["EVALSHA", script.sha, *tail], wait], timeout_s)
+        if isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT"):
+            if timeout_s is not None:
+                timeout_s -= loop.time() - start
+                if timeout_s <= 0:
+                    raise TimeoutError("no reply within the deadline (EVALSHA, then EVAL)")
+            reply, acked = await self.pipeline([["EVAL", script.script, *tail], wait], timeout_s)
+        for value in (reply, acked):
+            if isinstance(value, BaseException):
+                raise value
+        return reply, int(acked)
+
     def close(self) -> None:
         if self._protocol is not None and self._protocol.transport is not None:
             self._protocol.transport.close()

@@ -31,6 +31,7 @@ from pathlib import Path
 import orjson
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import NoScriptError, ResponseError
 from redis.typing import EncodableT
 
 from router.ledger.epoch import LOST_REASON
@@ -62,6 +63,10 @@ class LedgerConfig:
     # it moves the chain to an unknown state and says so (``unordered``), see _run_steps.
     step_ttl_s: int = 3600
     redis_timeout_s: float = 0.5
+    # WAIT 1 <ms> after an eval step (durable_wait_ms) or a production one (production_wait_ms)
+    # when its master has a replica; 0: no WAIT (see ``core.Durability``).
+    durable_wait_ms: int = 0
+    production_wait_ms: int = 0
     retry_interval_s: float = 0.5
     close_timeout_s: float = 5.0
 
@@ -358,6 +363,18 @@ class Writer:
                 step = job.step
                 assert step is not None
                 job.step = replace(step, tried_ms=now_ms)
+        try:
+            return await self._send_steps(jobs)
+        except ResponseError as exc:
+            if not isinstance(exc, NoScriptError) and not str(exc).startswith("NOSCRIPT"):
+                raise
+        # A cluster's pipeline sends EVALSHA as it is (redis-py's single-node pipeline loads
+        # the scripts itself): a master promoted in a failover has none cached. Load them on
+        # every master, then send the batch again (its steps are idempotent: their step keys).
+        await self._scripts.load()
+        return await self._send_steps(jobs)
+
+    async def _send_steps(self, jobs: list[Job]) -> list[object]:
         pipe = self._client.pipeline(transaction=False)
         # Older than its step key's life (less a margin for clocks): the key may be gone.
         ttl = self._cfg.step_ttl_s
