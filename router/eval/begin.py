@@ -73,6 +73,7 @@ async def begin(runs: Runs, profile: Profile, model: str, trigger: str) -> Meta:
         "trigger": trigger,
         "owner": runs.owner,
         "idle_timeout_s": f"{profile.idle_timeout_s:g}",
+        "pinned": profile.replica or "",  # a move (``failover``) leases as the key would
     }
     async with heartbeat(lambda: _own(runs, run), runs.heartbeat_s) as beat:
         try:
