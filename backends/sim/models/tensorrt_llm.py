@@ -59,7 +59,7 @@ from backends.sim.engine import (
     Progress,
     SamplingParams,
 )
-from backends.sim.engine_files import EngineBuild, load_engine, read_config
+from backends.sim.engine_files import PERTURB_FILE, EngineBuild, load_engine, read_config
 from backends.sim.models.common import (
     FINAL,
     InputError,
@@ -210,9 +210,6 @@ def _end(job: Job, response: Any) -> None:
         job.sender.send(response, flags=FINAL)
     except Exception as exc:  # noqa: BLE001
         pb_utils.Logger.log_warn(f"request {job.request_id!r}: final response not sent: {exc!r}")
-
-
-PERTURB_FILE = "TEST_PERTURB_NUMERICS"  # test-only: see ``perturbed``
 
 
 def perturbed(model_dir: Path, weights: dict[str, Any]) -> dict[str, Any]:
