@@ -90,6 +90,7 @@ def rerun_diverged(proxy: Proxy, sdk: openai.OpenAI, arm: str, run: str) -> int:
     result = cli(proxy, "runs", "diff", run, clean[0]["run"], "--json")
     assert result.returncode == 0, result.stderr
     summary = orjson.loads(result.stdout)["summary"]
+    admin(proxy, "POST", f"/admin/runs/{clean[0]['run']}/end")
     assert summary["episodes"] == len(EPISODES)
     return int(summary["diverged"])
 

@@ -78,8 +78,9 @@ async def lease(
         for rank, replica_id in enumerate(order, 1):
             replica = fleet[replica_id]
             why = unleasable(replica, serving, minimum)
-            if why is None and digest is not None and replica.engine_digest != digest:
-                why = f"engine digest {replica.engine_digest[:12] or 'unknown'} differs"
+            if digest is not None and replica.engine_digest != digest:
+                theirs = replica.engine_digest[:12] or "unknown"
+                why = f"engine digest {theirs} differs from the run's {digest[:12]}"
             if why is None:
                 holder = await turns.take_lease(replica_id, run, ttl_ms)
                 if holder is None:
