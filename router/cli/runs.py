@@ -143,7 +143,9 @@ def run_show(args: argparse.Namespace) -> int:
     for i, move in enumerate(moved, 1):
         print(
             f"{'move ' + str(i):>18}  {move['at']} {move['from']} -> {move['to']}:"
-            f" {move['replayed']} replayed in {move['seconds']:.2f} s ({move['why']})"
+            f" {move['replayed']} replayed in {move['seconds']:.2f} s (reset"
+            f" {move.get('reset_s', 0):.2f} s, replay {move.get('replay_s', 0):.2f} s;"
+            f" {move['why']})"
         )
     return 0
 

@@ -91,7 +91,7 @@ class Mover:
         started = time.perf_counter()
         try:
             try:
-                replica, replayed, meta = await self._move(run, why)
+                replica, timings, meta = await self._move(run, why)
             except CannotMove as exc:
                 await self._give_up(run, why, exc, started)
                 raise _unavailable(run, f"{why}; it cannot move: {exc.reason}", exc.status) from exc
@@ -100,7 +100,7 @@ class Mover:
             await self.keeper.release(turn)
         seconds = time.perf_counter() - started
         entry: dict[str, Any] = {"at": now_iso(), "from": run["replica"], "to": replica.id}
-        entry.update(why=why, replayed=replayed, seconds=round(seconds, 3))
+        entry.update(why=why, seconds=round(seconds, 3), **timings)
         meta["moves"] = orjson.dumps([*moves(run), entry]).decode()
         await self.runs.store.update(run["id"], meta)
         self.metrics.moved("moved", seconds)
@@ -135,7 +135,7 @@ class Mover:
         _log.error("run_move_failed", run=run["id"], why=why, reason=exc.reason)
         await self.runs.fail(run["id"], f"{why}; it cannot move: {exc.reason}", exc.status)
 
-    async def _move(self, run: Meta, why: str) -> tuple[ReplicaState, int, Meta]:
+    async def _move(self, run: Meta, why: str) -> tuple[ReplicaState, dict[str, Any], Meta]:
         cache = run.get("cache", "shared")
         if cache == "shared":
             raise CannotMove("a shared arm's cache state is not reproducible")
@@ -157,14 +157,15 @@ class Mover:
             raise CannotMove(exc.message, "failed") from exc
         replica = held.replica
         try:
-            await self._rebuild(run, replica, cache, history)
+            reset_s, replay_s = await self._rebuild(run, replica, cache, history)
             meta = await self._settle(run, replica, why)
         except BaseException:
             replica.leased_by = None
             with contextlib.suppress(LedgerError):
                 await runs.turns.free_lease(replica.id, run["id"])
             raise
-        return replica, len(history), meta
+        timings = {"replayed": len(history), "reset_s": reset_s, "replay_s": replay_s}
+        return replica, timings, meta
 
     async def _history(self, run: Meta) -> list[dict[str, Any]]:
         """What to replay: the snapshot's requests (``replay:``), then the run's own, each of
@@ -191,15 +192,18 @@ class Mover:
 
     async def _rebuild(
         self, run: Meta, replica: ReplicaState, cache: str, history: list[dict[str, Any]]
-    ) -> None:
+    ) -> tuple[float, float]:
+        """Seconds the reset (or the wait until idle) and the replay took."""
         runs, run_id = self.runs, run["id"]
         try:
             if cache == "off":
-                await wait_idle(replica, runs.settle_s, runs.settings.drain_timeout_s)
-                return
+                waited = await wait_idle(replica, runs.settle_s, runs.settings.drain_timeout_s)
+                return round(waited, 3), 0.0
             reason = f"verified reset: run {run_id} moves from {run['replica']}"
-            await runs.resets.reset(replica, reason=reason, run=run_id)
+            report = await runs.resets.reset(replica, reason=reason, run=run_id)
+            started = time.perf_counter()
             await self._replay(run, replica, history)
+            return round(report.total_s, 3), round(time.perf_counter() - started, 3)
         except (ResetFailed, BackendError, LedgerError) as exc:
             raise CannotMove(exc.message if isinstance(exc, ResetFailed) else str(exc)) from exc
 
