@@ -22,6 +22,7 @@ from policies import rendezvous_order
 from tests.eval_helpers import HTTP, admin, chained, cli, client, complete
 from tests.proxy_harness import Proxy
 from tests.servers import RedisServer
+from tests.test_fault_suite import GENERATE, frozen_mid_stream
 
 EPISODES = make_episodes(80)[:3]
 REUSE = ("m1", "m2", "m3")
@@ -249,6 +250,36 @@ def test_a_killed_replica_moves_its_run_mid_episode_and_it_goes_on_exact(
     meta = assert_moved_once_and_exact(proxy, records)
     assert meta["moves"][0]["from"] == killed[0]
     assert rerun_diverged(proxy, sdk, "fo-kill", meta["id"]) == 0
+
+
+def test_a_stream_cut_by_its_replica_death_names_the_failover_and_the_run_moves(
+    fleet: dict[str, Replica], redis_server: RedisServer
+) -> None:
+    """The leased replica dies while a stream of the run is sending tokens: the stream ends with
+    an error event naming the failover, and the run's next request is served on another replica
+    from the moved state (its record continues the run's chain, exactly)."""
+    alive = [fleet[r] for r in REUSE if fleet[r].process and fleet[r].process.poll() is None]
+    extra = "[eval]\nmin_production_replicas = 0"
+    proxy = Proxy(alive, redis_server.url, extra=extra)
+    proxy.start()
+    try:
+        key = proxy.create_key("fo-stream", mode="eval", cache="reset")
+        sdk = client(proxy, key)
+        first = complete(sdk, "before the stream")[2]
+        leased = fleet[first["replica"]]
+        stream = frozen_mid_stream(proxy, key, leased, *GENERATE)
+        assert leased.process is not None
+        os.killpg(leased.process.pid, signal.SIGKILL)
+        leased.process.wait()
+        error = orjson.loads(stream.read_to_end()[-1])["error"]
+        assert "failover" in error["message"] and leased.id in error["message"], error
+        after = complete(sdk, "after the stream")[2]
+        meta = run_of(proxy, first["run"])
+        assert after["run"] == first["run"] and len(meta["moves"]) == 1
+        assert after["replica"] == meta["replica"] != leased.id
+        assert after["exact"] and after["verified"] and after["status"] == "ok"
+    finally:
+        proxy.stop()
 
 
 def test_an_arm_whose_replica_is_down_keeps_one_failed_run(
