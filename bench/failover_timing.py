@@ -3,11 +3,12 @@
     python -m bench.failover_timing [--requests 50] [--rounds 3] [--out docs/results]
 
 Starts two stand-in replicas with block reuse, a private Redis and one kvledger instance
-(``min_production_replicas = 0``). Per round: a ``reset`` arm's run serves ``--requests``
-requests (multi-turn episodes of ``bench.workload``, one at a time, timed from the first to the
-last answer), then ``POST /admin/replicas/{id}/move-runs`` moves the run to the other replica
-(verified reset, replay of the run's history, fingerprint and outputs checked), and the run
-record's move gives its parts. Prints the medians side by side and writes ``failover-timing.md``.
+(``min_production_replicas = 0``). Per round: a ``reset`` arm's run is begun (its reset is not
+timed), serves ``--requests`` requests (multi-turn episodes of ``bench.workload``, one at a
+time, timed from the first to the last answer), then ``POST /admin/replicas/{id}/move-runs``
+moves the run to the other replica (verified reset, replay of the run's history, fingerprint
+and outputs checked), and the run record's move gives its parts. Prints the medians side by
+side and writes ``failover-timing.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bench.workload import DEFAULT_MAX_TOKENS, make_episodes
 from router.cli.local import ProxyProcess, RedisServer, create_key
 
 HTTP = urllib3.PoolManager()
+ARM = "failover-bench"
 
 
 def _admin(proxy: ProxyProcess, method: str, path: str) -> Any:
@@ -59,6 +61,16 @@ def serve(sdk: openai.OpenAI, n: int) -> tuple[str, float]:
 
 
 def one_round(proxy: ProxyProcess, sdk: openai.OpenAI, n: int) -> dict[str, float]:
+    body = orjson.dumps({"arm": ARM})
+    response = HTTP.request(
+        "POST",
+        proxy.url + "/admin/runs",
+        body=body,
+        headers={"Authorization": f"Bearer {proxy.admin_token}"},
+        timeout=urllib3.Timeout(total=900),
+    )
+    if response.status != 201:  # begun before timing: its reset is not part of serving
+        raise RuntimeError(f"begin: HTTP {response.status} {response.data[:300]!r}")
     run, served = serve(sdk, n)
     replica = _admin(proxy, "GET", f"/admin/runs/{run}")["run"]["replica"]
     body = _admin(proxy, "POST", f"/admin/replicas/{replica}/move-runs")
@@ -86,7 +98,7 @@ def measure(n: int, rounds: int) -> list[dict[str, float]]:
             proxy = ProxyProcess(config_snippet(running), redis.url, extra=extra)
             proxy.start()
             try:
-                key = create_key(redis.url, "failover-bench", mode="eval", cache="reset")
+                key = create_key(redis.url, ARM, mode="eval", cache="reset")
                 sdk = openai.OpenAI(
                     base_url=proxy.url + "/v1", api_key=key, timeout=600, max_retries=0
                 )
