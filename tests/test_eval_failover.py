@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +282,63 @@ def test_a_stream_cut_by_its_replica_death_names_the_failover_and_the_run_moves(
         assert after["exact"] and after["verified"] and after["status"] == "ok"
     finally:
         proxy.stop()
+
+
+def test_a_request_in_flight_when_its_replica_dies_is_retried_after_the_move(
+    fleet: dict[str, Replica], redis_server: RedisServer
+) -> None:
+    """A non-streamed request is running when its run's replica is killed: it is recorded once
+    there (failed, with the failover), the run moves, and the client gets the retry's answer
+    from the new replica, not an error."""
+    extra = "[eval]\nmin_production_replicas = 0"  # no production pool here
+    proxy = Proxy([fleet["o1"], fleet["o2"]], redis_server.url, extra=extra)
+    proxy.start()
+    try:
+        sdk = client(proxy, proxy.create_key("fo-inflight", mode="eval", cache="off"))
+        run = complete(sdk, "before")[2]["run"]
+        leased = fleet[run_of(proxy, run)["replica"]]
+        assert leased.process is not None
+        with ThreadPoolExecutor(1) as pool:
+            for attempt in range(5):
+                answer = pool.submit(long_completion, sdk, attempt)
+                wait_for(lambda a=answer: in_flight(proxy, leased.id) == 1 or a.done())
+                os.killpg(leased.process.pid, signal.SIGSTOP)
+                if in_flight(proxy, leased.id) == 1:
+                    break
+                os.killpg(leased.process.pid, signal.SIGCONT)  # it ended by itself: again
+                answer.result()
+            os.killpg(leased.process.pid, signal.SIGKILL)
+            leased.process.wait()
+            text, record = answer.result()
+        meta = run_of(proxy, run)
+        assert len(meta["moves"]) == 1 and record["replica"] == meta["replica"] != leased.id
+        assert record["status"] == "ok" and record["exact"] and text
+        failed = [r for r in cli_records(proxy, run) if r["request_id"] == record["request_id"]]
+        assert sorted((r["replica"], r["status"]) for r in failed) == sorted(
+            [(leased.id, "error"), (meta["replica"], "ok")]
+        )
+    finally:
+        proxy.stop()
+
+
+def long_completion(sdk: openai.OpenAI, attempt: int) -> tuple[str, dict[str, Any]]:
+    raw = sdk.completions.with_raw_response.create(
+        model="ensemble", prompt=f"a long story, take {attempt}", max_tokens=3000
+    )
+    body = raw.parse()
+    return body.choices[0].text, body.model_extra["kvledger"]  # type: ignore[index]
+
+
+def in_flight(proxy: Proxy, replica: str) -> int:
+    replicas = admin(proxy, "GET", "/admin/replicas")[1]["replicas"]
+    return int(next(r["in_flight"] for r in replicas if r["id"] == replica))
+
+
+def wait_for(condition: Callable[..., bool]) -> None:
+    deadline = time.monotonic() + 60  # a safety net against a hang, not a measure
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def test_an_arm_whose_replica_is_down_keeps_one_failed_run(
