@@ -6,8 +6,9 @@ counter (``continuity``), runs while a keeper renews the turn, the lease and the
 and advances the chain under its fence token, so the chain order is the cache's order. A run
 that loses its lease or its turn, or whose chain step had to wait for Redis, is *broken*: the
 request's record says so (``exact: false``, ``verified: false``, the reason in ``warning``) and
-the run's later requests answer 503 with the reason. Eval requests fail closed: no Redis, no
-run, 503.
+the run's later requests answer 503 with the reason. A run whose replica fails (or was drained
+with --move-runs) moves under the waiting request's turn (``failover``), which then goes on at
+the new replica. Eval requests fail closed: no Redis, no run, 503.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from policies import Decision
 from router.dispatch import account, translate
 from router.errors import BadRequest, Unavailable
 from router.eval import continuity
-from router.eval.failover import Move, Mover
+from router.eval.failover import Move, Mover, Rerouted, gone, stream_failed
 from router.eval.runs import Meta, Runs
 from router.eval.turns import Keeping, TurnKeeper
 from router.fleet import Fleet, ReplicaState
@@ -100,7 +101,7 @@ class EvalDispatcher:
                     return await self._start(parsed, principal, replica, turn, run)
                 except Move as move:
                     replica, turn = await self.mover.move(move.run, move.why, turn)
-                except _Rerouted as moved:
+                except Rerouted as moved:
                     await self.keeper.release(turn)
                     replica = self._replica(parsed, moved.run)
                     turn = await self.keeper.acquire(replica.id, run)
@@ -119,7 +120,7 @@ class EvalDispatcher:
     ) -> Flight:
         try:
             return await self._started(parsed, principal, replica, turn, turn_run)
-        except (Move, _Rerouted):
+        except (Move, Rerouted):
             raise  # the turn stays held: the move happens under it
         except BaseException:
             await asyncio.shield(self.keeper.release(turn))
@@ -151,9 +152,9 @@ class EvalDispatcher:
         # The run may have failed, ended or moved while this request waited for its turn.
         run = await self.runs.still_live(turn_run, principal.name)
         if run["replica"] != replica.id:
-            raise _Rerouted(run)
-        if not replica.healthy or run.get("move_pending"):
-            raise Move(run, run.get("move_pending") or f"replica {replica.id} is not healthy")
+            raise Rerouted(run)
+        if run.get("move_pending") or await gone(replica):
+            raise Move(run, run.get("move_pending") or f"replica {replica.id} is not ready")
         await self._check_lease(run, replica)
         # Hold turn, lease and arm pointer from here on: a long prefill must not outlive them.
         hold_ms = int(float(run["idle_timeout_s"]) * 1000)
@@ -190,7 +191,7 @@ class EvalDispatcher:
                 replica,
                 decision,
                 admission,
-                failure=lambda m: Unavailable(_failover_message(run["id"], replica.id, m)),
+                failure=lambda m: Unavailable(stream_failed(run["id"], replica.id, m)),
             )
         except BaseException as exc:
             if isinstance(exc, BackendError) and exc.written:
@@ -335,18 +336,3 @@ class EvalDispatcher:
         held = held and await self.turns.renew_lease(flight.replica.id, run["id"], idle_ms)
         if not held:
             await self.runs.fail(run["id"], "lost its lease or its arm pointer", status="broken")
-
-
-class _Rerouted(Exception):
-    """The run moved while this request waited for its turn on the old replica."""
-
-    def __init__(self, run: Meta) -> None:
-        super().__init__(run["id"])
-        self.run = run
-
-
-def _failover_message(run: str, replica: str, detail: str) -> str:
-    return (
-        f"run {run}: replica {replica} failed mid-stream ({detail}); failover: the run moves"
-        " to another replica by verified reset and replay; retry this request there"
-    )

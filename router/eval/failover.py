@@ -54,6 +54,32 @@ class Move(Exception):
         self.run, self.why = run, why
 
 
+class Rerouted(Exception):
+    """The run moved while this request waited for its turn on the old replica."""
+
+    def __init__(self, run: Meta) -> None:
+        super().__init__(run["id"])
+        self.run = run
+
+
+def stream_failed(run: str, replica: str, detail: str) -> str:
+    return (
+        f"run {run}: replica {replica} failed mid-stream ({detail}); failover: the run moves"
+        " to another replica by verified reset and replay; retry this request there"
+    )
+
+
+async def gone(replica: ReplicaState) -> bool:
+    """The monitor calls the replica unhealthy: is it really not serving? (A check that timed
+    out on a busy machine, or a stall, is no reason to move a run.)"""
+    if replica.healthy:
+        return False
+    try:
+        return not await replica.backend.ready()
+    except BackendError:
+        return True
+
+
 class CannotMove(Exception):
     """Why the run cannot move; ``status`` is what the run becomes (failed or broken)."""
 
@@ -95,14 +121,16 @@ class Mover:
             except CannotMove as exc:
                 await self._give_up(run, why, exc, started)
                 raise _unavailable(run, f"{why}; it cannot move: {exc.reason}", exc.status) from exc
+            seconds = time.perf_counter() - started
+            entry: dict[str, Any] = {"at": now_iso(), "from": run["replica"], "to": replica.id}
+            entry.update(why=why, seconds=round(seconds, 3), **timings)
+            meta["moves"] = orjson.dumps([*moves(run), entry]).decode()
+            # Recorded before the old turn is given back: a request waiting for it then finds
+            # the run on its new replica (and follows it) instead of a lease that is gone.
+            await self.runs.store.update(run["id"], meta)
             new_turn = await self.keeper.acquire(replica.id, run["id"])
         finally:
             await self.keeper.release(turn)
-        seconds = time.perf_counter() - started
-        entry: dict[str, Any] = {"at": now_iso(), "from": run["replica"], "to": replica.id}
-        entry.update(why=why, seconds=round(seconds, 3), **timings)
-        meta["moves"] = orjson.dumps([*moves(run), entry]).decode()
-        await self.runs.store.update(run["id"], meta)
         self.metrics.moved("moved", seconds)
         _log.warning("run_moved", run=run["id"], **{k: v for k, v in entry.items() if k != "at"})
         return replica, new_turn
