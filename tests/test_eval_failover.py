@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +284,51 @@ def test_a_stream_cut_by_its_replica_death_names_the_failover_and_the_run_moves(
         proxy.stop()
 
 
+def test_a_request_stuck_past_backend_timeout_s_moves_the_run_and_is_retried(
+    fleet: dict[str, Replica], redis_server: RedisServer
+) -> None:
+    """The run's replica stops making progress (SIGSTOP) under a request: past
+    backend_timeout_s the request is recorded there once (failed), the run moves, and the
+    client gets the retry's answer instead of a 504."""
+    extra = "[eval]\nmin_production_replicas = 0\n[limits]\nbackend_timeout_s = 2"
+    proxy = Proxy([fleet["o1"], fleet["o2"]], redis_server.url, extra=extra)
+    proxy.start()
+    try:
+        sdk = client(proxy, proxy.create_key("fo-stuck", mode="eval", cache="off"))
+        run = complete(sdk, "before")[2]["run"]
+        stuck = fleet[run_of(proxy, run)["replica"]]
+        with ThreadPoolExecutor(1) as pool:
+            answer = frozen_under_a_request(proxy, sdk, stuck, pool)
+            try:
+                text, record = answer.result()
+            finally:
+                assert stuck.process is not None
+                os.killpg(stuck.process.pid, signal.SIGCONT)
+        meta = run_of(proxy, run)
+        assert len(meta["moves"]) == 1 and record["replica"] == meta["replica"] != stuck.id
+        assert "backend_timeout_s" in meta["moves"][0]["why"]
+        assert record["status"] == "ok" and text
+    finally:
+        proxy.stop()
+
+
+def frozen_under_a_request(
+    proxy: Proxy, sdk: openai.OpenAI, replica: Replica, pool: ThreadPoolExecutor
+) -> Future[tuple[str, dict[str, Any]]]:
+    """A long request of the run in flight on ``replica``, with the replica stopped (SIGSTOP,
+    its server and its model's stub) before the request could end by itself."""
+    assert replica.process is not None
+    for attempt in range(5):
+        answer = pool.submit(long_completion, sdk, attempt)
+        wait_for(lambda a=answer: in_flight(proxy, replica.id) == 1 or a.done())
+        os.killpg(replica.process.pid, signal.SIGSTOP)
+        if in_flight(proxy, replica.id) == 1:
+            return answer
+        os.killpg(replica.process.pid, signal.SIGCONT)  # it ended by itself: again
+        answer.result()
+    raise AssertionError(f"every long request on {replica.id} ended by itself")
+
+
 def test_a_request_in_flight_when_its_replica_dies_is_retried_after_the_move(
     fleet: dict[str, Replica], redis_server: RedisServer
 ) -> None:
@@ -299,14 +344,7 @@ def test_a_request_in_flight_when_its_replica_dies_is_retried_after_the_move(
         leased = fleet[run_of(proxy, run)["replica"]]
         assert leased.process is not None
         with ThreadPoolExecutor(1) as pool:
-            for attempt in range(5):
-                answer = pool.submit(long_completion, sdk, attempt)
-                wait_for(lambda a=answer: in_flight(proxy, leased.id) == 1 or a.done())
-                os.killpg(leased.process.pid, signal.SIGSTOP)
-                if in_flight(proxy, leased.id) == 1:
-                    break
-                os.killpg(leased.process.pid, signal.SIGCONT)  # it ended by itself: again
-                answer.result()
+            answer = frozen_under_a_request(proxy, sdk, leased, pool)
             os.killpg(leased.process.pid, signal.SIGKILL)
             leased.process.wait()
             text, record = answer.result()

@@ -22,7 +22,7 @@ import structlog
 from backends.base import BackendError, BackendRejected, BackendUnavailable
 from policies import Decision
 from router.dispatch import account, translate
-from router.errors import BadRequest, Unavailable
+from router.errors import BadRequest, GatewayTimeout, KvlError, Unavailable
 from router.eval import continuity
 from router.eval.failover import Move, Mover, Rerouted, gone, stream_failed
 from router.eval.runs import Meta, Runs
@@ -194,9 +194,13 @@ class EvalDispatcher:
                 failure=lambda m: Unavailable(stream_failed(run["id"], replica.id, m)),
             )
         except BaseException as exc:
-            if isinstance(exc, BackendError) and exc.written:
+            # Written without an answer, or no progress past backend_timeout_s: the run moves.
+            timed_out = isinstance(exc, GatewayTimeout)
+            if timed_out or (isinstance(exc, BackendError) and exc.written):
                 parts = Flight.parts(parsed, principal, replica, decision, admission)
-                raise await asyncio.shield(self._lost(run, parts, exc)) from exc
+                detail = exc.message if isinstance(exc, KvlError) else str(exc)
+                lost = self._lost(run, parts, replica.id, detail)
+                raise await asyncio.shield(lost) from exc
             raise await self._first_failed(run, replica, exc) from exc
         flight.context = EvalTurn(run, turn, before, Keeping())
         return flight
@@ -223,21 +227,21 @@ class EvalDispatcher:
             return await self._replica_failed(run, replica, exc)
         return translate(exc)
 
-    async def _lost(self, run: Meta, parts: RecordInput, exc: BackendError) -> Move:
+    async def _lost(self, run: Meta, parts: RecordInput, replica: str, detail: str) -> Move:
         """The request was written to the run's replica, which failed without an answer: it
         may have run there unrecorded, so the replica's state is unknown from here (its record,
         failed, steps the chain there, ``Ledger.lost``) and the run moves; the request is
         retried at the new replica."""
         reason = (
-            f"its request {parts.request.request_id} was written to replica {exc.replica},"
-            f" which failed without an answer ({exc.detail}): the replica may have run it,"
+            f"its request {parts.request.request_id} was written to replica {replica},"
+            f" which failed without an answer ({detail}): the replica may have run it,"
             " so its cache state is unknown from here"
         )
         outcome = Outcome("error", "", None, 0.0, 0.0)
         record = make_record(parts, outcome)
         record["failover"] = "its replica failed; retried after the run moved"
         await self.ledger.lost(record, reason)
-        return Move(run, f"replica {exc.replica} failed mid-run ({exc.detail})")
+        return Move(run, f"replica {replica} failed mid-run ({detail})")
 
     async def _count(self, replica: ReplicaState, run: Meta) -> int:
         try:
