@@ -241,7 +241,7 @@ class EvalDispatcher:
         record = make_record(parts, outcome)
         record["failover"] = "its replica failed; retried after the run moved"
         await self.ledger.lost(record, reason)
-        return Move(run, f"replica {replica} failed mid-run ({detail})")
+        return Move(run, f"replica {replica} failed without an answer ({detail})")
 
     async def _count(self, replica: ReplicaState, run: Meta) -> int:
         try:
