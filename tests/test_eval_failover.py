@@ -108,6 +108,9 @@ def assert_moved_once_and_exact(proxy: Proxy, records: list[dict[str, Any]]) -> 
     assert all(r["exact"] and r["verified"] and r["status"] == "ok" for r in records)
     assert {r["replica"] for r in records} == {move["from"], move["to"]}
     assert chained([r for r in records if r["replica"] == move["to"]])
+    assert [r.get("move") for r in records] == [
+        1 if r["replica"] == move["to"] else None for r in records
+    ]
     return meta
 
 

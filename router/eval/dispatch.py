@@ -24,7 +24,7 @@ from policies import Decision
 from router.dispatch import account, translate
 from router.errors import BadRequest, GatewayTimeout, KvlError, Unavailable
 from router.eval import continuity
-from router.eval.failover import Move, Mover, Rerouted, gone, stream_failed
+from router.eval.failover import Move, Mover, Rerouted, gone, moves, stream_failed
 from router.eval.runs import Meta, Runs
 from router.eval.turns import Keeping, TurnKeeper
 from router.fleet import Fleet, ReplicaState
@@ -259,6 +259,8 @@ class EvalDispatcher:
         ctx: EvalTurn = flight.context
         ctx.keeping.stop()
         record = make_record(flight.record_input(), outcome)
+        if ctx.run.get("moves"):  # the run moved: its records say after which move
+            record["move"] = len(moves(ctx.run))
         try:
             await self._verify(flight, ctx, record, outcome)
             record = await self._commit(flight, ctx, record)
