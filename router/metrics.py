@@ -140,6 +140,8 @@ class Metrics:
         self._replicas: dict[str, _Replica] = {}
         self.registry.register(_RequestCollector(self._replicas))
         self.registry.register(_FleetCollector(fleet, ledger_stats))
+        self._moves = _MoveCollector()
+        self.registry.register(self._moves)
 
     def observe(self, record: dict[str, Any], latency_s: float) -> None:
         replica_id, status = str(record["replica"]), str(record["status"])
@@ -155,5 +157,30 @@ class Metrics:
         replica.latency.observe(latency_s)
         replica.ttft.observe(float(record["ttft_ms"]) / 1000)
 
+    def moved(self, outcome: str, seconds: float) -> None:
+        """An eval run's failover ended (``moved``, ``failed`` or ``broken``) after ``seconds``."""
+        self._moves.counts[outcome] = self._moves.counts.get(outcome, 0) + 1
+        self._moves.duration.observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _MoveCollector(Collector):
+    """Eval run failovers (``router.eval.failover``): how each ended, and how long it took."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.duration = _Histogram()
+
+    def collect(self) -> Iterator[Metric]:
+        moves = CounterMetricFamily(
+            "kvl_run_moves", "Eval run failovers by outcome", labels=["outcome"]
+        )
+        for outcome, count in sorted(self.counts.items()):
+            moves.add_metric([outcome], count)
+        duration = HistogramMetricFamily(
+            "kvl_run_move_seconds", "Eval run failover time (lease, reset, replay)"
+        )
+        duration.add_metric([], self.duration.buckets(), self.duration.total)
+        yield from (moves, duration)

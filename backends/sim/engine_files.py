@@ -33,6 +33,9 @@ Precision = Literal["bf16", "fp16", "fp32", "int4"]
 FloatFormat = Literal["bf16", "fp16", "fp32"]
 _DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _FORMATS: dict[str, FloatFormat] = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# Test-only: this file in the ``tensorrt_llm`` model's directory perturbs the numerics at load
+# while the engine digest stays (``models/tensorrt_llm.py``: ``perturbed``).
+PERTURB_FILE = "TEST_PERTURB_NUMERICS"
 INT4_ALGO = "W4A16"  # weight-only int4, group-wise (groups of 32 along the input)
 
 

@@ -82,6 +82,13 @@ def _register_admin(replicas: argparse.ArgumentParser, actions: Any) -> None:
     ):
         action = actions.add_parser(name, help=help_)
         action.add_argument("replica_id", metavar="ID")
+        if name == "drain":
+            action.add_argument(
+                "--move-runs",
+                action="store_true",
+                help="also move the eval runs leased on it elsewhere (verified reset and"
+                " replay of each run's history; waits for them)",
+            )
         add_admin_options(action, suppress=True)
         action.set_defaults(run=run_drain, drain=name == "drain")
     reset = actions.add_parser(
@@ -120,12 +127,33 @@ def run_list(args: argparse.Namespace) -> int:
 def run_drain(args: argparse.Namespace) -> int:
     api = AdminApi.from_args(args, os.environ)
     action = "drain" if args.drain else "undrain"
+    if args.drain and args.move_runs:
+        return _move_runs(api, args.replica_id)
     body = api.call("POST", f"/admin/replicas/{quote(args.replica_id, safe='')}/{action}")
     if args.drain:
         print(f"{args.replica_id}: draining, {body.get('in_flight', 0)} request(s) in flight")
     else:
         print(f"{args.replica_id}: taking production traffic again")
     return 0
+
+
+def _move_runs(api: AdminApi, replica: str) -> int:
+    print(f"{replica}: draining and moving its runs (reset and replay)...", file=sys.stderr)
+    path = f"/admin/replicas/{quote(replica, safe='')}/move-runs"
+    body = api.call("POST", path, timeout_s=900)
+    failed = 0
+    for entry in body.get("runs", []):
+        if entry.get("moved"):
+            move = entry["move"]
+            print(
+                f"run {entry['run']}: moved {move['from']} -> {move['to']},"
+                f" {move['replayed']} request(s) replayed in {move['seconds']:.2f} s"
+            )
+        else:
+            failed += 1
+            print(f"run {entry['run']}: not moved: {entry.get('reason')}")
+    print(f"{replica}: draining, {len(body.get('runs', []))} run(s) moved off or stopped")
+    return 1 if failed else 0
 
 
 @cli_errors

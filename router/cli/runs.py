@@ -135,8 +135,18 @@ def run_show(args: argparse.Namespace) -> int:
     if args.json:
         print_json_lines([body])
         return 0
-    for name, value in {**body["run"], **body["records"]}.items():
+    run = dict(body["run"])
+    moved = run.pop("moves", None) or []
+    for name, value in {**run, **body["records"]}.items():
         print(f"{name:>18}  {value}")
+    print(f"{'moves':>18}  {len(moved)}")
+    for i, move in enumerate(moved, 1):
+        print(
+            f"{'move ' + str(i):>18}  {move['at']} {move['from']} -> {move['to']}:"
+            f" {move['replayed']} replayed in {move['seconds']:.2f} s (reset"
+            f" {move.get('reset_s', 0):.2f} s, replay {move.get('replay_s', 0):.2f} s;"
+            f" {move['why']})"
+        )
     return 0
 
 

@@ -22,7 +22,7 @@ from backends.base import BackendError
 from router.errors import Conflict, Unavailable
 from router.eval import continuity
 from router.eval.heartbeat import heartbeat
-from router.eval.leasing import Lease, lease
+from router.eval.leasing import Lease, lease, unleasable
 from router.eval.profiles import REPLAY, now_iso
 from router.eval.replay import replay
 from router.eval.reset import ResetFailed, Resetter, wait_idle
@@ -73,6 +73,7 @@ async def begin(runs: Runs, profile: Profile, model: str, trigger: str) -> Meta:
         "trigger": trigger,
         "owner": runs.owner,
         "idle_timeout_s": f"{profile.idle_timeout_s:g}",
+        "pinned": profile.replica or "",  # a move (``failover``) leases as the key would
     }
     async with heartbeat(lambda: _own(runs, run), runs.heartbeat_s) as beat:
         try:
@@ -85,8 +86,12 @@ async def begin(runs: Runs, profile: Profile, model: str, trigger: str) -> Meta:
                 ttl_ms=int(BEGIN_BUDGET_S * 1000),
                 minimum=runs.settings.min_production_replicas,
             )
+        except Unavailable as exc:
+            # Recorded failed and kept as the arm's run: the arm's requests answer 503 with the
+            # reason until a replica can be leased (``Runs.for_request``), not a run each.
+            await _failed_to_begin(runs, meta, idle_ms, f"run begin failed: {exc.message}")
+            raise
         except BaseException:
-            # Nothing to record: the run never held a replica (the 503 says why).
             await asyncio.shield(_release(runs, arm, run))
             raise
         meta["replica"] = held.replica.id
@@ -99,13 +104,36 @@ async def begin(runs: Runs, profile: Profile, model: str, trigger: str) -> Meta:
     return meta
 
 
+def can_begin(runs: Runs, profile: Profile, model: str) -> bool:
+    """Whether, as this proxy sees the fleet, some replica could be leased for the arm now."""
+    reuse = profile.cache != "off"
+    serving = runs.fleet.serving(model)
+    return any(
+        r.settings.reuse == reuse
+        and profile.replica in (None, r.id)
+        and unleasable(r, serving, runs.settings.min_production_replicas) is None
+        for r in serving
+    )
+
+
+async def _failed_to_begin(runs: Runs, meta: Meta, idle_ms: int, reason: str) -> None:
+    fields = {"status": "failed", "ended_at": now_iso(), "end_reason": reason}
+    try:
+        await runs.store.create(meta["id"], {**meta, **fields, "begin_failed": "true"}, _now_ms())
+        await runs.store.update(meta["id"], {}, ended=True)
+        await runs.store.touch(meta["arm"], meta["id"], idle_ms)
+        await runs.store.disown(meta["id"])
+    except LedgerError as exc:
+        _log.error("run_abort_unrecorded", run=meta["id"], error=str(exc))
+
+
 async def _prepare_or_abort(runs: Runs, meta: Meta, held: Lease) -> None:
     run, arm = meta["id"], meta["arm"]
     try:
         meta.update(await _prepare(runs, run, arm, meta["cache"], held.replica))
     except (ResetFailed, LedgerError, BackendError) as exc:
         reason = exc.message if isinstance(exc, ResetFailed) else str(exc)
-        await _abort(runs, run, arm, held, f"run begin failed: {reason}")
+        await _abort(runs, run, arm, held, f"run begin failed: {reason}", keep=True)
         raise _unavailable(run, arm, reason) from exc
     except BaseException as exc:
         await asyncio.shield(_abort(runs, run, arm, held, f"run begin failed: {exc!r}"))
@@ -144,13 +172,21 @@ def _unavailable(run: str, arm: str, reason: str) -> Unavailable:
     )
 
 
-async def _abort(runs: Runs, run: str, arm: str, held: Lease, reason: str) -> None:
+async def _abort(
+    runs: Runs, run: str, arm: str, held: Lease, reason: str, *, keep: bool = False
+) -> None:
+    """Fail the beginning run; ``keep``: it stays the arm's run (see ``can_begin``)."""
     meta = {"status": "failed", "ended_at": now_iso(), "end_reason": reason}
+    if keep:
+        meta["begin_failed"] = "true"
     try:
         held.replica.leased_by = None
         await runs.turns.free_lease(held.replica.id, run)
         await runs.store.update(run, meta, ended=True)
-        await _release(runs, arm, run)
+        if keep:
+            await runs.store.disown(run)
+        else:
+            await _release(runs, arm, run)
     except LedgerError as exc:
         _log.error("run_abort_unrecorded", run=run, error=str(exc))
 
@@ -187,3 +223,7 @@ async def _prepare(runs: Runs, run: str, arm: str, cache: str, replica: ReplicaS
         engine_digest=head.engine_digest,
     )
     return fields
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -104,7 +104,10 @@ class RunDiff:
 def diff_runs(
     run_a: str, records_a: Sequence[Record], run_b: str, records_b: Sequence[Record]
 ) -> RunDiff:
-    """Align the runs (by episode when all records have one, else by order) and diff each pair."""
+    """Align the runs (by episode when all records have one, else by order) and diff each pair.
+    Records that are not the run's own answers are left out: a failover's replay (policy
+    ``replay``) and a request that failed with its replica and was retried after the move."""
+    records_a, records_b = _own(records_a), _own(records_b)
     by_episode = all(r.get("episode") for r in (*records_a, *records_b))
     if by_episode:
         groups_a, groups_b = _group(records_a), _group(records_b)
@@ -113,6 +116,15 @@ def diff_runs(
     names = list(groups_a) + [name for name in groups_b if name not in groups_a]
     episodes = tuple(_diff_episode(n, groups_a.get(n), groups_b.get(n)) for n in names)
     return RunDiff(run_a, run_b, "episode" if by_episode else "order", episodes)
+
+
+def _own(records: Sequence[Record]) -> list[Record]:
+    return [
+        r
+        for r in records
+        if not r.get("failover")
+        and not (r.get("policy") == "replay" and "failover of run" in str(r.get("reason")))
+    ]
 
 
 def _group(records: Sequence[Record]) -> dict[str, list[Record]]:

@@ -6,8 +6,9 @@ counter (``continuity``), runs while a keeper renews the turn, the lease and the
 and advances the chain under its fence token, so the chain order is the cache's order. A run
 that loses its lease or its turn, or whose chain step had to wait for Redis, is *broken*: the
 request's record says so (``exact: false``, ``verified: false``, the reason in ``warning``) and
-the run's later requests answer 503 with the reason. Eval requests fail closed: no Redis, no
-run, 503.
+the run's later requests answer 503 with the reason. A run whose replica fails (or was drained
+with --move-runs) moves under the waiting request's turn (``failover``), which then goes on at
+the new replica. Eval requests fail closed: no Redis, no run, 503.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import structlog
 from backends.base import BackendError, BackendRejected, BackendUnavailable
 from policies import Decision
 from router.dispatch import account, translate
-from router.errors import BadRequest, KvlError, Unavailable
+from router.errors import BadRequest, GatewayTimeout, KvlError, Unavailable
 from router.eval import continuity
+from router.eval.failover import Move, Mover, Rerouted, gone, moves, stream_failed
 from router.eval.runs import Meta, Runs
 from router.eval.turns import Keeping, TurnKeeper
 from router.fleet import Fleet, ReplicaState
@@ -72,6 +74,7 @@ class EvalDispatcher:
         self.settings = settings
         self.metrics = metrics
         self.keeper = TurnKeeper(turns, runs.store, settings)
+        self.mover = Mover(runs, self.keeper, metrics)
 
     async def open(self, parsed: Parsed, principal: Principal) -> Flight:
         structlog.contextvars.bind_contextvars(
@@ -84,12 +87,43 @@ class EvalDispatcher:
             turn = await self.keeper.acquire(replica.id, run["id"])
         except LedgerError as exc:
             raise _no_redis(exc) from exc
-        try:
-            return await self._start(parsed, principal, replica, turn, run["id"])
-        except BaseException as exc:
-            await asyncio.shield(self.keeper.release(turn))
-            if isinstance(exc, LedgerError):
+        return await self._open_on(parsed, principal, replica, turn, run["id"])
+
+    async def _open_on(
+        self, parsed: Parsed, principal: Principal, replica: ReplicaState, turn: Turn, run: str
+    ) -> Flight:
+        """Start under ``turn``; a run whose replica failed first moves (``failover``), under
+        the same turn, and the request goes on at the new replica; a run that moved while this
+        request waited sends it after the run, to the new replica's queue."""
+        for _ in range(3):
+            try:
+                try:
+                    return await self._start(parsed, principal, replica, turn, run)
+                except Move as move:
+                    replica, turn = await self.mover.move(move.run, move.why, turn)
+                except Rerouted as moved:
+                    await self.keeper.release(turn)
+                    replica = self._replica(parsed, moved.run)
+                    turn = await self.keeper.acquire(replica.id, run)
+            except LedgerError as exc:
                 raise _no_redis(exc) from exc
+        await asyncio.shield(self.keeper.release(turn))
+        raise Unavailable(f"run {run} keeps moving; retry", headers={"Retry-After": "5"})
+
+    async def _start(
+        self,
+        parsed: Parsed,
+        principal: Principal,
+        replica: ReplicaState,
+        turn: Turn,
+        turn_run: str,
+    ) -> Flight:
+        try:
+            return await self._started(parsed, principal, replica, turn, turn_run)
+        except (Move, Rerouted):
+            raise  # the turn stays held: the move happens under it
+        except BaseException:
+            await asyncio.shield(self.keeper.release(turn))
             raise
 
     def _replica(self, parsed: Parsed, run: Meta) -> ReplicaState:
@@ -107,7 +141,7 @@ class EvalDispatcher:
             )
         return self.fleet[run["replica"]]
 
-    async def _start(
+    async def _started(
         self,
         parsed: Parsed,
         principal: Principal,
@@ -115,8 +149,12 @@ class EvalDispatcher:
         turn: Turn,
         turn_run: str,
     ) -> Flight:
-        # The run may have failed or ended while this request waited for its turn.
+        # The run may have failed, ended or moved while this request waited for its turn.
         run = await self.runs.still_live(turn_run, principal.name)
+        if run["replica"] != replica.id:
+            raise Rerouted(run)
+        if run.get("move_pending") or await gone(replica):
+            raise Move(run, run.get("move_pending") or f"replica {replica.id} is not ready")
         await self._check_lease(run, replica)
         # Hold turn, lease and arm pointer from here on: a long prefill must not outlive them.
         hold_ms = int(float(run["idle_timeout_s"]) * 1000)
@@ -153,12 +191,16 @@ class EvalDispatcher:
                 replica,
                 decision,
                 admission,
-                failure=lambda m: Unavailable(f"run {run['id']}: {m}"),
+                failure=lambda m: Unavailable(stream_failed(run["id"], replica.id, m)),
             )
         except BaseException as exc:
-            if isinstance(exc, BackendError) and exc.written:
+            # Written without an answer, or no progress past backend_timeout_s: the run moves.
+            timed_out = isinstance(exc, GatewayTimeout)
+            if timed_out or (isinstance(exc, BackendError) and exc.written):
                 parts = Flight.parts(parsed, principal, replica, decision, admission)
-                raise await asyncio.shield(self._lost(run, parts, exc)) from exc
+                detail = exc.message if isinstance(exc, KvlError) else str(exc)
+                lost = self._lost(run, parts, replica.id, detail)
+                raise await asyncio.shield(lost) from exc
             raise await self._first_failed(run, replica, exc) from exc
         flight.context = EvalTurn(run, turn, before, Keeping())
         return flight
@@ -185,24 +227,21 @@ class EvalDispatcher:
             return await self._replica_failed(run, replica, exc)
         return translate(exc)
 
-    async def _lost(self, run: Meta, parts: RecordInput, exc: BackendError) -> KvlError:
+    async def _lost(self, run: Meta, parts: RecordInput, replica: str, detail: str) -> Move:
         """The request was written to the run's replica, which failed without an answer: it
-        may have run there unrecorded, so the replica's state is unknown from here (its record
-        steps the chain there, ``Ledger.lost``) and the run is broken with the reason."""
+        may have run there unrecorded, so the replica's state is unknown from here (its record,
+        failed, steps the chain there, ``Ledger.lost``) and the run moves; the request is
+        retried at the new replica."""
         reason = (
-            f"its request {parts.request.request_id} was written to replica {exc.replica},"
-            f" which failed without an answer ({exc.detail}): the replica may have run it,"
+            f"its request {parts.request.request_id} was written to replica {replica},"
+            f" which failed without an answer ({detail}): the replica may have run it,"
             " so its cache state is unknown from here"
         )
         outcome = Outcome("error", "", None, 0.0, 0.0)
-        try:
-            await self.ledger.lost(make_record(parts, outcome), reason)
-        finally:
-            await self.runs.fail(run["id"], reason, status="broken")
-        return Unavailable(
-            f"run {run['id']} broken: {reason}; begin a new run (kvledger runs begin {run['arm']})",
-            headers={"Retry-After": "5", "X-Kvl-Run": run["id"]},
-        )
+        record = make_record(parts, outcome)
+        record["failover"] = "its replica failed; retried after the run moved"
+        await self.ledger.lost(record, reason)
+        return Move(run, f"replica {replica} failed without an answer ({detail})")
 
     async def _count(self, replica: ReplicaState, run: Meta) -> int:
         try:
@@ -210,14 +249,8 @@ class EvalDispatcher:
         except BackendError as exc:
             raise await self._replica_failed(run, replica, exc) from exc
 
-    async def _replica_failed(self, run: Meta, replica: ReplicaState, exc: Exception) -> KvlError:
-        reason = f"replica {replica.id} failed mid-run: {exc}"
-        await self.runs.fail(run["id"], reason)
-        return Unavailable(
-            f"run {run['id']} failed: {reason}; its lease is released. Begin a new run"
-            f" (kvledger runs begin {run['arm']})",
-            headers={"Retry-After": "5", "X-Kvl-Run": run["id"]},
-        )
+    async def _replica_failed(self, run: Meta, replica: ReplicaState, exc: Exception) -> Move:
+        return Move(run, f"replica {replica.id} failed mid-run: {exc}")
 
     def release(self, flight: Flight) -> None:
         flight.replica.in_flight -= 1
@@ -226,6 +259,8 @@ class EvalDispatcher:
         ctx: EvalTurn = flight.context
         ctx.keeping.stop()
         record = make_record(flight.record_input(), outcome)
+        if ctx.run.get("moves"):  # the run moved: its records say after which move
+            record["move"] = len(moves(ctx.run))
         try:
             await self._verify(flight, ctx, record, outcome)
             record = await self._commit(flight, ctx, record)
@@ -248,7 +283,8 @@ class EvalDispatcher:
         if ctx.keeping.lost is not None:
             record.update(verified=False, warning=f"run broken: {ctx.keeping.lost}")
         if outcome.status == "error" and not await replica.backend.ready():
-            await self.runs.fail(run, f"replica {replica.id} failed mid-run")
+            record["failover"] = f"replica {replica.id} failed mid-run; the run moves"
+            await self.runs.store.update(run, {"move_pending": record["failover"]})
 
     async def _commit(
         self, flight: Flight, ctx: EvalTurn, record: dict[str, Any]
@@ -273,6 +309,8 @@ class EvalDispatcher:
             _log.error("eval_turn_lost", run=run["id"], replica=flight.replica.id)
         if broken is not None:
             await self.runs.fail(run["id"], broken, status="broken")
+            return record
+        if record.get("failover"):  # its retry, after the move, is the run's request
             return record
         try:
             await self._remember(flight, run, record)

@@ -50,12 +50,23 @@ def unleasable(replica: ReplicaState, serving: Sequence[ReplicaState], minimum: 
 
 
 async def lease(
-    fleet: Fleet, turns: Turns, run: str, profile: Profile, model: str, *, ttl_ms: int, minimum: int
+    fleet: Fleet,
+    turns: Turns,
+    run: str,
+    profile: Profile,
+    model: str,
+    *,
+    ttl_ms: int,
+    minimum: int,
+    leaving: str | None = None,
+    digest: str | None = None,
 ) -> Lease:
-    """The first free replica in the arm's rendezvous order, leased to ``run`` for ``ttl_ms``."""
+    """The first free replica in the arm's rendezvous order, leased to ``run`` for ``ttl_ms``.
+    A run that moves (``router.eval.failover``) passes the replica it is ``leaving`` and the
+    engine ``digest`` its history was computed on: only replicas with that digest qualify."""
     reuse = profile.cache != "off"
     serving = fleet.serving(model)
-    allowed = [r.id for r in serving if r.settings.reuse == reuse]
+    allowed = [r.id for r in serving if r.settings.reuse == reuse and r.id != leaving]
     if profile.replica is not None:
         allowed = [r for r in allowed if r == profile.replica]
     order = rendezvous_order(profile.name, allowed)
@@ -67,6 +78,9 @@ async def lease(
         for rank, replica_id in enumerate(order, 1):
             replica = fleet[replica_id]
             why = unleasable(replica, serving, minimum)
+            if digest is not None and replica.engine_digest != digest:
+                theirs = replica.engine_digest[:12] or "unknown"
+                why = f"engine digest {theirs} differs from the run's {digest[:12]}"
             if why is None:
                 holder = await turns.take_lease(replica_id, run, ttl_ms)
                 if holder is None:

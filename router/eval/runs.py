@@ -74,12 +74,20 @@ class Runs:
     async def for_request(self, profile: Profile, model: str) -> Meta:
         """The arm's current run, begun now if it has none; waits while another proxy begins."""
         meta = await self._current(profile.name)
-        if meta is None:
+        if meta is None or self._may_begin_again(meta, profile, model):
             async with self._arm_locks[profile.name]:
                 meta = await self._current(profile.name)
+                if meta is not None and self._may_begin_again(meta, profile, model):
+                    await self.store.release(profile.name, meta["id"])
+                    meta = None
                 if meta is None:
                     return await beginning.begin(self, profile, model, "first request")
         return await self._settled(meta)
+
+    def _may_begin_again(self, meta: Meta, profile: Profile, model: str) -> bool:
+        """A run that failed to begin stays the arm's run (its requests answer 503 with the
+        reason) until a replica can be leased again, as this proxy sees the fleet."""
+        return meta.get("begin_failed") == "true" and beginning.can_begin(self, profile, model)
 
     async def still_live(self, run: str, arm: str) -> Meta:
         """The run as Redis holds it now; 503 with the reason if it ended or failed meanwhile."""

@@ -7,6 +7,8 @@
     GET    /admin/runs/{id}                     {"run": {...}, "records": {counts}}
     POST   /admin/runs/{id}/end                 {"run": {...}}
     POST   /admin/replicas/{id}/reset           the verified reset's report (409 if leased)
+    POST   /admin/replicas/{id}/move-runs       drain it and move its runs off (failover):
+                                                {"id", "draining", "runs": [{run, moved, ...}]}
     GET    /admin/snapshots                     {"snapshots": [...]} (without their requests)
     POST   /admin/snapshots                     201 {"snapshot": {...}}; body {"name", and
                                                 "from_run" [, "upto"] or "requests" [, "model"]}
@@ -24,11 +26,12 @@ from typing import Any
 from aiohttp import web
 
 from router.errors import BadRequest, Conflict, NotFound, Unavailable
+from router.eval.failover import moves
 from router.eval.profiles import NAME
 from router.eval.reset import ResetFailed
 from router.eval.snapshots import from_requests, from_run, summary
 from router.http.admin import admin_only, count_param, json_response, query_params, redis_errors
-from router.http.context import FLEET, KEYS, LEDGER, RUNS, SETTINGS, read_json
+from router.http.context import EVAL, FLEET, KEYS, LEDGER, RUNS, SETTINGS, read_json
 from router.http.parse import parse_completion
 from router.ledger.keys import Profile
 
@@ -90,7 +93,7 @@ async def show_run(request: web.Request) -> web.Response:
         "reused_blocks": sum(int(r.get("reused_blocks") or 0) for r in records),
         "last_state": records[-1].get("state_after") if records else meta.get("state"),
     }
-    return json_response({"run": meta, "records": counts})
+    return json_response({"run": {**meta, "moves": moves(meta)}, "records": counts})
 
 
 async def end_run(request: web.Request) -> web.Response:
@@ -122,6 +125,20 @@ async def reset_replica(request: web.Request) -> web.Response:
             "duration_ms": round(report.total_s * 1000),
         }
     )
+
+
+async def move_runs(request: web.Request) -> web.Response:
+    """Drain the replica (this proxy instance) and move the runs leased on it elsewhere."""
+    replica_id = request.match_info["id"]
+    fleet = request.app[FLEET]
+    if replica_id not in fleet:
+        raise NotFound(f"no replica '{replica_id}'; see GET /admin/replicas")
+    fleet[replica_id].draining = True
+    with redis_errors("move the runs"):
+        done = await request.app[EVAL].mover.move_off(
+            replica_id, f"replica {replica_id} drained by the admin (--move-runs)"
+        )
+    return json_response({"id": replica_id, "draining": True, "runs": done})
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
@@ -208,6 +225,7 @@ def routes() -> list[web.RouteDef]:
         web.get("/admin/runs/{id}", admin_only(show_run)),
         web.post("/admin/runs/{id}/end", admin_only(end_run)),
         web.post("/admin/replicas/{id}/reset", admin_only(reset_replica)),
+        web.post("/admin/replicas/{id}/move-runs", admin_only(move_runs)),
         web.get("/admin/snapshots", admin_only(list_snapshots)),
         web.post("/admin/snapshots", admin_only(save_snapshot)),
         web.get("/admin/snapshots/{name}", admin_only(show_snapshot)),

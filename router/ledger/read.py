@@ -203,7 +203,9 @@ def _records(entries: Iterable[Entry], seen: set[str]) -> list[dict[str, Any]]:
         record = entry_record(fields)
         if record is None:
             continue
-        request_id = str(record.get("request_id"))
+        # A request that failed with its replica and was retried after its run moved has a
+        # record on each replica (``router.eval.failover``): both are kept.
+        request_id = f"{record.get('request_id')}@{record.get('replica')}"
         if request_id not in seen:
             seen.add(request_id)
             out.append(record)

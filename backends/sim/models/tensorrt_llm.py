@@ -59,7 +59,7 @@ from backends.sim.engine import (
     Progress,
     SamplingParams,
 )
-from backends.sim.engine_files import EngineBuild, load_engine, read_config
+from backends.sim.engine_files import PERTURB_FILE, EngineBuild, load_engine, read_config
 from backends.sim.models.common import (
     FINAL,
     InputError,
@@ -212,6 +212,16 @@ def _end(job: Job, response: Any) -> None:
         pb_utils.Logger.log_warn(f"request {job.request_id!r}: final response not sent: {exc!r}")
 
 
+def perturbed(model_dir: Path, weights: dict[str, Any]) -> dict[str, Any]:
+    """Test-only switch: with a file named ``PERTURB_FILE`` in this model's directory at load,
+    every weight tensor is rolled by one along its first axis, so the engine computes other
+    numbers while its engine digest (server, configs, engine files) stays the same: a replica
+    that cannot reproduce a history recorded on its twins (tests/test_eval_failover.py)."""
+    if not (model_dir / PERTURB_FILE).exists():
+        return weights
+    return {name: np.roll(tensor, 1, axis=0) for name, tensor in weights.items()}
+
+
 class TritonPythonModel:
     """Triton's entry point: admit or refuse each request, serve them in order on one thread."""
 
@@ -219,6 +229,7 @@ class TritonPythonModel:
         params = parameters(args)
         engine_path = Path(params["gpt_model_path"])
         self.build, weights = load_engine(engine_path)
+        weights = perturbed(Path(args["model_repository"]), weights)
         self.limits = limits_of(self.build, read_config(engine_path), params)
         tokens = int(params.get("max_tokens_in_paged_kv_cache") or 8192 * 16)
         tpb = self.build.tokens_per_block
