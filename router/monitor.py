@@ -82,13 +82,10 @@ class Monitor:
             await asyncio.sleep(self.interval_s)
 
     async def tick(self) -> None:
-        with contextlib.suppress(LedgerError):
-            await self.ledger.check_epoch()
-        losses = self.ledger.epoch.losses
-        if losses > self._losses:
-            with contextlib.suppress(LedgerError, BackendError):
-                await self._history_lost()
-                self._losses = losses
+        try:
+            await self._check_epoch()
+        except Exception as exc:  # noqa: BLE001 - health checks must go on whatever it raised
+            _log.warning("monitor_epoch_check_failed", error=str(exc), kind=type(exc).__name__)
         if self.hook is not None:
             try:
                 await self.hook()
@@ -96,6 +93,15 @@ class Monitor:
                 _log.warning("monitor_hook_failed", error=str(exc), kind=type(exc).__name__)
         await asyncio.gather(*(self.check(r) for r in self.fleet))
         self.fleet.monitor_ticks += 1
+
+    async def _check_epoch(self) -> None:
+        with contextlib.suppress(LedgerError):
+            await self.ledger.check_epoch()
+        losses = self.ledger.epoch.losses
+        if losses > self._losses:
+            with contextlib.suppress(LedgerError, BackendError):
+                await self._history_lost()
+                self._losses = losses
 
     async def _history_lost(self) -> None:
         """Redis lost its data: every replica seen so far starts an unknown generation."""
