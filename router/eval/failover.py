@@ -20,6 +20,7 @@ requests, seconds). A move that cannot happen fails the run (no replica to lease
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import Any
@@ -44,6 +45,8 @@ from router.metrics import Metrics
 
 _log = structlog.get_logger("kvledger.failover")
 MOVE_BUDGET_MS = 600_000  # the new lease outlives a move by this much at most
+LEASE_WAIT_S = 30.0  # how long a move waits for the monitor to look again at unhealthy replicas
+LEASE_POLL_S = 0.1
 
 
 class Move(Exception):
@@ -169,21 +172,7 @@ class Mover:
             raise CannotMove("a shared arm's cache state is not reproducible")
         history = await self._history(run) if cache != "off" else []
         runs = self.runs
-        try:
-            held = await lease(
-                runs.fleet,
-                runs.turns,
-                run["id"],
-                profile_of(run),
-                run["model"],
-                ttl_ms=MOVE_BUDGET_MS,
-                minimum=runs.settings.min_production_replicas,
-                leaving=run["replica"],
-                digest=run.get("engine_digest") or None,
-            )
-        except Unavailable as exc:
-            raise CannotMove(exc.message, "failed") from exc
-        replica = held.replica
+        replica = await self._lease(run)
         try:
             reset_s, replay_s = await self._rebuild(run, replica, cache, history)
             meta = await self._settle(run, replica, why)
@@ -194,6 +183,34 @@ class Mover:
             raise
         timings = {"replayed": len(history), "reset_s": reset_s, "replay_s": replay_s}
         return replica, timings, meta
+
+    async def _lease(self, run: Meta) -> ReplicaState:
+        """The run's next replica. When none can be leased while some replica is called
+        unhealthy, the monitor looks again (two ticks, at most ``LEASE_WAIT_S``) before the move
+        gives up: a probe that failed once on a busy machine must not end an hours-long run."""
+        runs = self.runs
+        ticks = runs.fleet.monitor_ticks
+        deadline = time.monotonic() + LEASE_WAIT_S
+        while True:
+            try:
+                held = await lease(
+                    runs.fleet,
+                    runs.turns,
+                    run["id"],
+                    profile_of(run),
+                    run["model"],
+                    ttl_ms=MOVE_BUDGET_MS,
+                    minimum=runs.settings.min_production_replicas,
+                    leaving=run["replica"],
+                    digest=run.get("engine_digest") or None,
+                )
+                return held.replica
+            except Unavailable as exc:
+                doubtful = [r for r in runs.fleet if not r.healthy and r.id != run["replica"]]
+                looked_again = runs.fleet.monitor_ticks - ticks >= 2
+                if not doubtful or looked_again or time.monotonic() > deadline:
+                    raise CannotMove(exc.message, "failed") from exc
+            await asyncio.sleep(LEASE_POLL_S)
 
     async def _history(self, run: Meta) -> list[dict[str, Any]]:
         """What to replay: the snapshot's requests (``replay:``), then the run's own, each of
