@@ -14,7 +14,7 @@ import redis
 import urllib3
 
 from backends.sim.launcher import Replica, free_ports
-from router.ledger.audit import history
+from router.ledger.audit import history, history_json
 from router.ledger.epoch import LOST_REASON, EpochInfo
 from router.ledger.persistence import kind
 from tests.proxy_harness import Proxy
@@ -80,6 +80,12 @@ def test_a_flush_under_a_running_proxy_is_an_error_a_metric_and_where_history_st
         assert after.returncode == 0, after.stdout + after.stderr
         assert f"{LOST_REASON} before it" in after.stdout, after.stdout
         assert f"records of epoch {event['lost_epoch']} are gone" in after.stdout
+        lines = audit(redis_server, "--json").stdout.splitlines()
+        ledger = orjson.loads(lines[-1])["ledger"]
+        assert [orjson.loads(line)["replica"] for line in lines[:-1]] == ["r1"]
+        assert ledger["complete"] is False and ledger["lost"] == [event["lost_epoch"]]
+        assert ledger["current"] == ledger["epochs"][-1]["id"] != event["lost_epoch"]
+        assert ledger["history_starts"] == ledger["epochs"][-1]["created_at"]
     finally:
         client.close()
         proxy.stop()
@@ -129,6 +135,9 @@ def test_history_lines_name_every_epoch_and_where_history_starts() -> None:
     assert "after epoch aaa was lost" in lines[1]
     assert lines[-1].startswith("history starts at 2026-12-02T00:00:00.000+00:00 (epoch bbb)")
     assert "none" in history([])[0]
+    assert history_json([first])["ledger"]["complete"] is True
+    assert history_json([first, second])["ledger"]["lost"] == ["aaa"]
+    assert history_json([])["ledger"]["history_starts"] is None
 
 
 def _readyz(proxy: Proxy) -> dict[str, Any]:

@@ -46,8 +46,9 @@ def stream_records(server: RedisServer, replica: str) -> list[dict[str, Any]]:
         client.close()
 
 
-def audit(server: RedisServer) -> subprocess.CompletedProcess[str]:
+def audit(server: RedisServer, *more: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "router.cli", "audit", "chain", "--redis-url", server.url]
+    command += more
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 

@@ -40,21 +40,25 @@ def register(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     chain.add_argument("--replica", metavar="ID", action="append", help="only this replica")
-    chain.add_argument("--json", action="store_true", help="one JSON line per replica")
+    chain.add_argument(
+        "--json",
+        action="store_true",
+        help='one JSON line per replica, then one with the ledger\'s epochs ({"ledger": ...})',
+    )
     add_redis_options(chain)
     chain.set_defaults(run=run_chain)
 
 
 @cli_errors
 def run_chain(args: argparse.Namespace) -> int:
-    from router.ledger.audit import history
+    from router.ledger.audit import history, history_json
     from router.ledger.epoch import read_epochs
 
     url = redis_url(args, os.environ)
     audits = with_redis(url, lambda client: reader(client).audit(args.replica))
     epochs = with_redis(url, read_epochs)
     if args.json:
-        print_json_lines([a.as_json() for a in audits])
+        print_json_lines([*(a.as_json() for a in audits), history_json(epochs)])
         return 0 if all(a.ok for a in audits) else 1
     counts = COLUMNS[3:] + MORE
     rows = [[a.replica, a.records, a.generations, *(a.counts[c] for c in counts)] for a in audits]

@@ -125,6 +125,13 @@ def _check(
         audit.note("break", f"request {rid} claims a cache seen empty but is not at genesis")
 
 
+def history_start(epochs: list[EpochInfo]) -> tuple[EpochInfo, bool]:
+    """Where the ledger's history starts (the last epoch created after a loss, else the first),
+    and whether it is complete (no epoch lost). ``epochs`` is not empty."""
+    lost = [e for e in epochs if e.previous]
+    return (lost[-1], False) if lost else (epochs[0], True)
+
+
 def history(epochs: list[EpochInfo]) -> list[str]:
     """Lines for ``audit chain``: every epoch seen, oldest first, and where history starts
     (pure: ``epochs`` as ``router.ledger.epoch.read_epochs`` answers them)."""
@@ -140,14 +147,28 @@ def history(epochs: list[EpochInfo]) -> list[str]:
             seen = f", last seen {epoch.previous_seen_at}" if epoch.previous_seen_at else ""
             line += f", after epoch {epoch.previous} was lost ({LOST_REASON}{seen})"
         lines.append(line)
-    current = epochs[-1]
-    lost = [e for e in epochs if e.previous]
-    if lost:
-        last = lost[-1]
+    start, complete = history_start(epochs)
+    if not complete:
         lines.append(
-            f"history starts at {last.created_at} (epoch {last.id}): {LOST_REASON} before it;"
-            f" records of epoch {last.previous} are gone"
+            f"history starts at {start.created_at} (epoch {start.id}): {LOST_REASON} before it;"
+            f" records of epoch {start.previous} are gone"
         )
     else:
-        lines.append(f"history starts at {epochs[0].created_at} (epoch {current.id}): complete")
+        lines.append(f"history starts at {start.created_at} (epoch {epochs[-1].id}): complete")
     return lines
+
+
+def history_json(epochs: list[EpochInfo]) -> dict[str, Any]:
+    """``audit chain --json``'s last line: the epochs seen, oldest first, and where history
+    starts (``history_starts`` null when the ledger has no epoch: it cannot tell)."""
+    if not epochs:
+        return {"ledger": {"epochs": [], "history_starts": None, "complete": None}}
+    start, complete = history_start(epochs)
+    ledger = {
+        "epochs": [e.as_dict() for e in epochs],
+        "current": epochs[-1].id,
+        "history_starts": start.created_at,
+        "complete": complete,
+        "lost": [e.previous for e in epochs if e.previous],
+    }
+    return {"ledger": ledger}

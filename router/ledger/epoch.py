@@ -36,15 +36,16 @@ class EpochInfo:
     previous: str | None = None
     previous_seen_at: str | None = None
 
+    def as_dict(self) -> dict[str, str | None]:
+        return {
+            "id": self.id,
+            "created_at": self.created_at,
+            "previous": self.previous,
+            "previous_seen_at": self.previous_seen_at,
+        }
+
     def to_json(self) -> bytes:
-        return orjson.dumps(
-            {
-                "id": self.id,
-                "created_at": self.created_at,
-                "previous": self.previous,
-                "previous_seen_at": self.previous_seen_at,
-            }
-        )
+        return orjson.dumps(self.as_dict())
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> EpochInfo:
