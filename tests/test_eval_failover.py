@@ -134,6 +134,11 @@ def test_a_drained_replica_moves_its_reset_run_which_goes_on_exact(proxy: Proxy)
     shown = cli(proxy, "runs", "show", meta["id"]).stdout
     assert "move 1" in shown and f"{leased[0]} -> {meta['replica']}" in shown
     assert 'kvl_run_moves_total{outcome="moved"}' in proxy_metrics(proxy)
+    bearer = {"Authorization": "Bearer admin-secret"}
+    page = HTTP.request("GET", f"{proxy.url}/ui/runs/{meta['id']}", headers=bearer).data.decode()
+    assert "<h2>Moves</h2>" in page and f"<td>{leased[0]}</td><td>{meta['replica']}</td>" in page
+    listed = HTTP.request("GET", f"{proxy.url}/ui/runs", headers=bearer).data.decode()
+    assert "(moved 1&times;)" in listed
     undrain(proxy, leased[0])
     assert rerun_diverged(proxy, sdk, "fo-drain", meta["id"]) == 0
 

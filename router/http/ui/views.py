@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from router.errors import BadRequest, NotFound
+from router.eval.failover import moves
 from router.http.admin import redis_errors
 from router.http.context import REDIS, RUNS
 from router.http.ui.auth import page, render
@@ -71,7 +72,9 @@ async def runs_list(request: web.Request) -> web.StreamResponse:
         for meta in shown:
             count = await reader.run_length(meta["id"])
             share = await _share(reader, meta["id"], count)
-            rows.append({"meta": meta, "requests": count, "share": share})
+            rows.append(
+                {"meta": meta, "requests": count, "share": share, "moves": len(moves(meta))}
+            )
     more = len(runs) > at * RUNS_PER_PAGE
     context = {"rows": rows, "arm": arm or "", "arms": arms, "page": at, "more": more}
     return render(request, "runs.html", context)
@@ -93,6 +96,7 @@ async def run_view(request: web.Request) -> web.StreamResponse:
     context = {
         "run": run,
         "meta": meta or {},
+        "moves": moves(meta or {}),
         "count": count,
         "rows": rows,
         "page": shown,
