@@ -49,7 +49,8 @@ def serve(sdk: openai.OpenAI, n: int) -> tuple[str, float]:
     episodes, done, run = iter(make_episodes(80)), 0, ""
     began = time.perf_counter()
     while done < n:
-        episode, outputs = next(episodes), []
+        episode = next(episodes)
+        outputs: list[str] = []
         for _ in range(min(episode.turns, n - done)):
             raw = sdk.completions.with_raw_response.create(
                 model="ensemble", prompt=episode.render(outputs), max_tokens=DEFAULT_MAX_TOKENS

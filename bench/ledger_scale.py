@@ -28,7 +28,7 @@ import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=30, help="chains stepped")
     parser.add_argument("--wait-ms", type=int, default=1000, help="WAIT's timeout when on")
     args = parser.parse_args(argv)
-    setups = [
+    setups: list[tuple[str, Callable[[], contextlib.AbstractContextManager[str]], int]] = [
         ("1 node", lambda: _single(False), 0),
         ("1 node + WAIT", lambda: _single(True), args.wait_ms),
         ("cluster (3 masters)", _cluster, 0),
