@@ -158,7 +158,7 @@ class Metrics:
         replica.ttft.observe(float(record["ttft_ms"]) / 1000)
 
     def moved(self, outcome: str, seconds: float) -> None:
-        """An eval run's failover ended (``moved``, ``failed`` or ``broken``) after ``seconds``."""
+        """An eval run's failover ended (``moved`` or ``broken``) after ``seconds``."""
         self._moves.counts[outcome] = self._moves.counts.get(outcome, 0) + 1
         self._moves.duration.observe(seconds)
 

@@ -229,7 +229,8 @@ def test_other_engine_digests_break_the_run_with_that_reason(
         run = complete(sdk, "digest request")[2]["run"]
         out = move_runs(proxy, "m1")
         assert "not moved" in out and "engine digest" in out and "differs" in out, out
-        assert run_of(proxy, run)["status"] == "failed"
+        assert run_of(proxy, run)["status"] == "broken"
+        assert 'kvl_run_moves_total{outcome="broken"} 1.0' in proxy_metrics(proxy)
     finally:
         proxy.stop()
 

@@ -84,11 +84,12 @@ async def gone(replica: ReplicaState) -> bool:
 
 
 class CannotMove(Exception):
-    """Why the run cannot move; ``status`` is what the run becomes (failed or broken)."""
+    """Why the run cannot move: the run is broken with that reason (DESIGN: a run that cannot
+    move, a ``shared`` arm, no replica with its digest, a replay that does not reproduce)."""
 
-    def __init__(self, reason: str, status: str = "broken") -> None:
+    def __init__(self, reason: str) -> None:
         super().__init__(reason)
-        self.reason, self.status = reason, status
+        self.reason = reason
 
 
 def moves(meta: Meta) -> list[dict[str, Any]]:
@@ -123,7 +124,7 @@ class Mover:
                 replica, timings, meta = await self._move(run, why)
             except CannotMove as exc:
                 await self._give_up(run, why, exc, started)
-                raise _unavailable(run, f"{why}; it cannot move: {exc.reason}", exc.status) from exc
+                raise _unavailable(run, f"{why}; it cannot move: {exc.reason}") from exc
             seconds = time.perf_counter() - started
             entry: dict[str, Any] = {"at": now_iso(), "from": run["replica"], "to": replica.id}
             entry.update(why=why, seconds=round(seconds, 3), **timings)
@@ -162,9 +163,9 @@ class Mover:
         return done
 
     async def _give_up(self, run: Meta, why: str, exc: CannotMove, started: float) -> None:
-        self.metrics.moved(exc.status, time.perf_counter() - started)
+        self.metrics.moved("broken", time.perf_counter() - started)
         _log.error("run_move_failed", run=run["id"], why=why, reason=exc.reason)
-        await self.runs.fail(run["id"], f"{why}; it cannot move: {exc.reason}", exc.status)
+        await self.runs.fail(run["id"], f"{why}; it cannot move: {exc.reason}", "broken")
 
     async def _move(self, run: Meta, why: str) -> tuple[ReplicaState, dict[str, Any], Meta]:
         cache = run.get("cache", "shared")
@@ -209,7 +210,7 @@ class Mover:
                 doubtful = [r for r in runs.fleet if not r.healthy and r.id != run["replica"]]
                 looked_again = runs.fleet.monitor_ticks - ticks >= 2
                 if not doubtful or looked_again or time.monotonic() > deadline:
-                    raise CannotMove(exc.message, "failed") from exc
+                    raise CannotMove(exc.message) from exc
             await asyncio.sleep(LEASE_POLL_S)
 
     async def _history(self, run: Meta) -> list[dict[str, Any]]:
@@ -296,8 +297,8 @@ class Mover:
         }
 
 
-def _unavailable(run: Meta, reason: str, status: str) -> KvlError:
+def _unavailable(run: Meta, reason: str) -> KvlError:
     return Unavailable(
-        f"run {run['id']} {status}: {reason}; begin a new run (kvledger runs begin {run['arm']})",
+        f"run {run['id']} broken: {reason}; begin a new run (kvledger runs begin {run['arm']})",
         headers={"Retry-After": "5", "X-Kvl-Run": run["id"]},
     )
