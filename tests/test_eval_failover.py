@@ -143,6 +143,37 @@ def test_a_drained_replica_moves_its_reset_run_which_goes_on_exact(proxy: Proxy)
     assert rerun_diverged(proxy, sdk, "fo-drain", meta["id"]) == 0
 
 
+def test_a_run_on_a_replica_removed_from_the_config_moves_to_a_proxy_without_it(
+    proxy: Proxy, fleet: dict[str, Replica]
+) -> None:
+    """A proxy configured without the run's replica (removed from its config) answers the
+    run's requests 503 naming the replica and the command; ``drain ID --move-runs`` there
+    moves the run onto that proxy's replicas, and the run goes on exact."""
+    key = proxy.create_key("fo-removed", mode="eval", cache="reset")
+    records = play(client(proxy, key), EPISODES[:1])
+    leased = run_of(proxy, records[0]["run"])["replica"]
+    others = [fleet[r] for r in (*REUSE, "o1", "o2") if r != leased]
+    second = Proxy(others, proxy.redis_url)
+    second.start()
+    try:
+        moved_sdk = client(second, key)
+        with pytest.raises(openai.APIStatusError) as refused:
+            complete(moved_sdk, "sent to the proxy without the replica")
+        message = refused.value.response.json()["error"]["message"]
+        assert refused.value.response.status_code == 503 and leased in message
+        assert f"kvledger replicas drain {leased} --move-runs" in message
+        out = move_runs(second, leased)
+        assert f"moved {leased} ->" in out and "not configured here" in out, out
+        records += play(moved_sdk, EPISODES[1:])
+        meta = assert_moved_once_and_exact(second, records)
+        assert "not in this proxy's configuration" in meta["moves"][0]["why"]
+        missing = cli(second, "replicas", "drain", "nowhere", "--move-runs")
+        assert missing.returncode != 0 and "no replica 'nowhere'" in missing.stdout + missing.stderr
+        admin(second, "POST", f"/admin/runs/{meta['id']}/end")
+    finally:
+        second.stop()
+
+
 def proxy_metrics(proxy: Proxy) -> str:
     return HTTP.request("GET", proxy.url + "/metrics").data.decode()
 

@@ -152,7 +152,8 @@ def _move_runs(api: AdminApi, replica: str) -> int:
         else:
             failed += 1
             print(f"run {entry['run']}: not moved: {entry.get('reason')}")
-    print(f"{replica}: draining, {len(body.get('runs', []))} run(s) moved off or stopped")
+    state = "draining" if body.get("draining") else "not configured here"
+    print(f"{replica}: {state}, {len(body.get('runs', []))} run(s) moved off or stopped")
     return 1 if failed else 0
 
 

@@ -136,7 +136,8 @@ class EvalDispatcher:
         if run["replica"] not in self.fleet:
             raise Unavailable(
                 f"run {run['id']} holds replica {run['replica']}, which this proxy instance"
-                " is not configured with; send its requests to one that is",
+                " is not configured with; send its requests to one that is, or move the run"
+                f" here (kvledger replicas drain {run['replica']} --move-runs)",
                 headers=_RETRY,
             )
         return self.fleet[run["replica"]]

@@ -128,17 +128,22 @@ async def reset_replica(request: web.Request) -> web.Response:
 
 
 async def move_runs(request: web.Request) -> web.Response:
-    """Drain the replica (this proxy instance) and move the runs leased on it elsewhere."""
+    """Drain the replica (this proxy instance) and move the runs leased on it elsewhere. A
+    replica this instance is not configured with (removed from the config) is not drained, but
+    the runs that still hold it move to this instance's replicas."""
     replica_id = request.match_info["id"]
     fleet = request.app[FLEET]
-    if replica_id not in fleet:
-        raise NotFound(f"no replica '{replica_id}'; see GET /admin/replicas")
-    fleet[replica_id].draining = True
+    known = replica_id in fleet
+    if known:
+        fleet[replica_id].draining = True
+        why = f"replica {replica_id} drained by the admin (--move-runs)"
+    else:
+        why = f"replica {replica_id} is not in this proxy's configuration (--move-runs)"
     with redis_errors("move the runs"):
-        done = await request.app[EVAL].mover.move_off(
-            replica_id, f"replica {replica_id} drained by the admin (--move-runs)"
-        )
-    return json_response({"id": replica_id, "draining": True, "runs": done})
+        done = await request.app[EVAL].mover.move_off(replica_id, why)
+    if not known and not done:
+        raise NotFound(f"no replica '{replica_id}' and no live run on it; see GET /admin/replicas")
+    return json_response({"id": replica_id, "draining": known, "runs": done})
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
