@@ -1,7 +1,9 @@
 """Failover under traffic: two proxies on a 3-master Redis Cluster (1 replica each), production
-traffic and an eval run; the master that owns r1's slot is killed (kill -9). After its replica
+traffic and two eval runs; the master that owns r1's slot is killed (kill -9). After its replica
 is promoted and the proxies' spools drained, nothing answered is lost or doubled, the chains
-hold, and the eval run (on a shard that did not fail) stayed durable and unbroken."""
+hold, the eval run on a shard that did not fail stayed durable and unbroken, and the eval run
+on the failed shard either kept one durable, unbroken chain or broke with the reason: never a
+silent fork."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import urllib3
 from redis.cluster import ClusterNode as SyncNode
 from redis.cluster import RedisCluster
 
-from backends.sim.launcher import Replica, free_ports
+from backends.sim.launcher import Replica, ReplicaSpec, free_ports, launch
 from bench.workload import DEFAULT_MAX_TOKENS, Episode, make_episodes
 from tests.eval_helpers import admin, begin, chained, cli, client, complete, end
 from tests.ledger_view import LedgerView
@@ -135,9 +137,49 @@ def _stream_ids(cluster: LocalCluster, replicas: list[str]) -> list[str]:
     return found
 
 
-def test_a_master_killed_under_traffic_loses_no_answered_record(
+def _play_or_break(sdk: openai.OpenAI, episodes: list[Episode]) -> str:
+    """Like ``_play``, but a 503 that says the run is broken ends it: that message (or "")."""
+    for episode in episodes:
+        outputs: list[str] = []
+        for _ in range(episode.turns):
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    text = complete(sdk, episode.render(outputs), episode.id)[0]
+                    break
+                except openai.InternalServerError as exc:
+                    message = str(exc.response.json()["error"]["message"])
+                    if exc.status_code == 503 and re.search(r"\brun \S+ broken\b", message):
+                        return message
+                    if exc.status_code != 503 or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+            outputs.append(text)
+    return ""
+
+
+def _same_shard(cluster: LocalCluster, port: int) -> str:
+    """A replica id whose keys' slot the master on ``port`` owns."""
+    for name in (f"s{i}" for i in range(200)):
+        if cluster.master_of(f"kvl:{{replica:{name}}}:cache").port == port:
+            return name
+    raise AssertionError("no replica id maps to that master")
+
+
+@pytest.fixture
+def cluster_replicas(
     cluster: LocalCluster, replicas: dict[str, Replica]
+) -> Iterator[dict[str, Replica]]:
+    """The session's replicas and one more, whose keys live on the master that owns r1's."""
+    name = _same_shard(cluster, cluster.master_of("kvl:{replica:r1}:cache").port)
+    with launch([ReplicaSpec(name)]) as (extra,):
+        yield {**replicas, name: extra}
+
+
+def test_a_master_killed_under_traffic_loses_no_answered_record(
+    cluster: LocalCluster, cluster_replicas: dict[str, Replica]
 ) -> None:
+    replicas = cluster_replicas
     proxies = [_proxy(replicas, cluster.url), _proxy(replicas, cluster.url)]
     for proxy in proxies:
         proxy.start()
@@ -146,9 +188,17 @@ def test_a_master_killed_under_traffic_loses_no_answered_record(
         made = cli(proxies[0], "keys", "create", "arm-off", "--mode", "eval", "--cache", "off")
         assert made.returncode == 0, made.stderr
         sdk = client(proxies[1], made.stdout.strip())
-        # r1's shard fails; the eval arm (cache off) is served by r3, on another shard.
+        # r1's shard fails; the eval arm (cache off) is served by r3, on another shard; the
+        # arm 'arm-shard' (cache reset) is pinned to a replica whose keys are on r1's shard.
         victim = cluster.master_of("kvl:{replica:r1}:cache")
         assert cluster.master_of("kvl:{replica:r3}:cache").port != victim.port
+        (shard,) = set(replicas) - {"r1", "r2", "r3"}
+        pinned = ("--mode", "eval", "--cache", "reset", "--replica", shard)
+        made = cli(proxies[0], "keys", "create", "arm-shard", *pinned)
+        assert made.returncode == 0, made.stderr
+        shard_sdk = client(proxies[0], made.stdout.strip())
+        shard_run = begin(proxies[0], "arm-shard")
+        assert _play_or_break(shard_sdk, EPISODES[:1]) == ""
 
         answered: list[dict[str, Any]] = []
         stop = threading.Event()
@@ -163,6 +213,7 @@ def test_a_master_killed_under_traffic_loses_no_answered_record(
             _until(lambda: len(answered) >= 20, 120, "production traffic before the kill")
             victim.kill()
             _play(sdk, EPISODES[3:6])  # the eval run goes on during the failover
+            broke = _play_or_break(shard_sdk, EPISODES[1:3])  # the failed shard's run
             cluster.wait_ok(60)  # the replica promoted, the cluster whole again
             assert cluster.master_of("kvl:{replica:r1}:cache").port != victim.port
             count = len(answered)
@@ -205,6 +256,20 @@ def test_a_master_killed_under_traffic_loses_no_answered_record(
         assert chained(records) and all(r["verified"] for r in records)
         assert ended["status"] == "ended", ended
         assert findings and {f["replica"] for f in findings} >= {"r1", "r3"}
+        # The failed shard's run: one chain, no seq twice (never a silent fork); it went on,
+        # every record durable and verified, or it broke saying why (a step that had to wait
+        # for Redis), and the record answered before the break says whether it was durable.
+        meta = admin(proxies[0], "GET", f"/admin/runs/{shard_run['id']}")[1]["run"]
+        kept = LedgerView(cluster.url).tail(run=shard_run["id"])
+        assert chained(kept) and len({r["seq"] for r in kept}) == len(kept), kept
+        if broke:
+            assert meta["status"] == "broken" and meta["end_reason"] in broke, (meta, broke)
+            assert "Redis" in meta["end_reason"]
+            assert all(isinstance(r.get("durable"), bool) for r in kept if not r["pending"])
+        else:
+            assert meta["status"] == "live", meta
+            assert len(kept) == sum(e.turns for e in EPISODES[:3])
+            assert all(r["verified"] and r["durable"] is True for r in kept), kept
     finally:
         for proxy in proxies:
             proxy.stop()
