@@ -74,6 +74,16 @@ def constant_inputs(target: TritonTarget) -> tuple[Input, ...]:
     return tuple(_tensor(name, True, np.bool_, "BOOL") for name in names)
 
 
+# What grpc core says of a channel that could not connect (the request cannot have left).
+_NOT_CONNECTED = ("failed to connect to all addresses", "connection refused", "dns resolution")
+
+
+def never_connected(details: str) -> bool:
+    """The stream failed because its channel never connected (grpc's status details)."""
+    lowered = details.lower()
+    return any(phrase in lowered for phrase in _NOT_CONNECTED)
+
+
 def build_inputs(
     target: TritonTarget, request: GenerationRequest, constant: tuple[Input, ...]
 ) -> list[Input]:
@@ -269,14 +279,17 @@ class TritonBackend:
 
     def _translate_rpc(self, error: grpc.RpcError, produced: bool) -> Exception:
         code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-        message = f"{code.name if code else 'RPC error'}: " + (
-            error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
-        )
-        if code == grpc.StatusCode.UNAVAILABLE and not produced:
-            return BackendUnavailable(self.replica_id, message)
+        details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+        message = f"{code.name if code else 'RPC error'}: {details}"
         if code == grpc.StatusCode.INVALID_ARGUMENT and not produced:
             return BackendRejected(self.replica_id, message)
-        return BackendFailed(self.replica_id, message)
+        # grpc does not say whether the request message left before the stream failed: only a
+        # channel that never connected proves it did not. Otherwise the replica may have run
+        # it (``written``: its state is unknown from here, and it is not sent there again).
+        written = not never_connected(details or "")
+        if code == grpc.StatusCode.UNAVAILABLE and not produced:
+            return BackendUnavailable(self.replica_id, message, written=written)
+        return BackendFailed(self.replica_id, message, written=written)
 
     def _translate(self, error: InferenceServerException, produced: bool) -> Exception:
         message = error.message() or str(error)

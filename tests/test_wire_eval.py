@@ -18,6 +18,7 @@ import orjson
 import urllib3
 
 from backends.sim.launcher import Replica
+from backends.triton import never_connected
 from router.ledger import Ledger
 from tests.ledger_view import LedgerView
 from tests.proxy_harness import Proxy
@@ -95,6 +96,72 @@ class Forwarder:
 def forwarded(replica: Replica) -> Iterator[tuple[Forwarder, Replica]]:
     with Forwarder(replica.http_port) as forwarder:
         yield forwarder, dataclasses.replace(replica, http_port=forwarder.port)
+
+
+class GrpcDropper:
+    """A TCP relay in front of a replica's gRPC port; while ``drop`` is set, the next large
+    chunk from the proxy (a generate request: HTTP/2 headers and the request message) is passed
+    to the replica, whose answer is withheld, and the connection is closed a moment later: the
+    replica received the request, the proxy gets no answer (``dropped`` keeps the chunk)."""
+
+    LARGE = 256  # bytes: HTTP/2 pings and settings are smaller, a generate request larger
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.drop = False
+        self.dropped: list[bytes] = []
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+
+    def __enter__(self) -> GrpcDropper:
+        self._thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+        withheld = asyncio.Event()
+
+        async def down() -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await up_reader.read(65536):
+                    if not withheld.is_set():
+                        writer.write(data)
+                        await writer.drain()
+
+        back = asyncio.create_task(down())
+        try:
+            while data := await reader.read(65536):
+                if self.drop and len(data) >= self.LARGE and not self.dropped:
+                    withheld.set()
+                    self.dropped.append(data)
+                    up_writer.write(data)
+                    await up_writer.drain()
+                    await asyncio.sleep(0.5)  # the replica reads and runs it
+                    return
+                up_writer.write(data)
+                await up_writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+            up_writer.close()
+            back.cancel()
 
 
 def complete(proxy: Proxy, key: str, prompt: str) -> urllib3.BaseHTTPResponse:
@@ -191,3 +258,61 @@ def test_eval_request_dropped_after_the_write_breaks_its_run_with_the_reason(
             assert found.ok, found.findings
         finally:
             proxy.stop()
+
+
+def test_a_grpc_request_whose_stream_breaks_after_it_left_is_recorded_and_moves(
+    replicas: dict[str, Replica], redis_server: RedisServer
+) -> None:
+    """The gRPC transport cannot tell whether its request left before the connection broke:
+    it takes the request as written unless the channel never connected. The replica got it
+    once; its record there makes the state unknown; the request moves to r2 and says so."""
+    with GrpcDropper(replicas["r1"].grpc_port) as dropper:
+        r1 = dataclasses.replace(replicas["r1"], grpc_port=dropper.port)
+        proxy = Proxy([r1, replicas["r2"]], redis_server.url, policy="round_robin")
+        config = proxy.config.read_text()
+        proxy.config.write_text(
+            config.replace("[[replicas]]\n", '[[replicas]]\ntransport = "grpc"\n')
+        )
+        proxy.start()
+        try:
+            key = proxy.create_key("lost-grpc")
+            warm = [complete(proxy, key, f"warm {i}") for i in range(4)]
+            assert all(r.status == 200 for r in warm)
+            assert {r.headers["X-Kvl-Replica"] for r in warm} == {"r1", "r2"}
+            dropper.drop = True
+            answers = []
+            for i in range(4):
+                answers.append(complete(proxy, key, f"dropped over grpc {i}"))
+                if dropper.dropped:
+                    break
+            dropper.drop = False
+            assert all(a.status == 200 for a in answers), proxy.log[-3000:]
+            (chunk,) = dropper.dropped
+            (answer,) = [a for a in answers if a.headers["X-Request-Id"].encode() in chunk]
+            lost_id = answer.headers["X-Request-Id"]
+            assert answer.headers["X-Kvl-Replica"] == "r2"
+            view = LedgerView(redis_server.url)
+            on_r1 = [r for r in view.tail(replica="r1") if r["request_id"] == lost_id]
+            assert len(on_r1) == 1, on_r1
+            assert on_r1[0]["status"] == "error" and on_r1[0]["unordered"]
+            assert "failed without an answer" in on_r1[0]["warning"]
+            served = view.record(lost_id)
+            assert served is not None and "moved after" in served["warning"]
+            assert not known(view, "r1")
+            for replica in ("r1", "r2"):
+                found = audit(view, replica)
+                assert found.ok, found.findings
+        finally:
+            proxy.stop()
+
+
+def test_a_grpc_channel_that_never_connected_did_not_send_its_request() -> None:
+    """Only grpc's own words for a channel that could not connect prove the request did not
+    leave (pure logic over the status details)."""
+    assert never_connected(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1:"
+        " Failed to connect to remote host: Connection refused"
+    )
+    assert not never_connected("Socket closed")
+    assert not never_connected("recvmsg:Connection reset by peer")
+    assert not never_connected("GOAWAY received")
