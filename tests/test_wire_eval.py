@@ -2,7 +2,8 @@
 serve`` in front of stand-in replicas, one of them behind a forwarder that reads a generate
 request and drops the connection. The replica receives the request once; the ledger marks its
 state unknown from there; production moves the request (and says so), an eval run breaks with
-the reason; the audit stays clean."""
+the reason; the audit stays clean. The same over the gRPC transport, behind a relay that
+passes the request on and withholds the answer."""
 
 from __future__ import annotations
 
