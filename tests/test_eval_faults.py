@@ -167,11 +167,12 @@ def test_no_free_replica_gets_503_naming_the_holders(
     assert f"leased by run {run['id']}" in message and "minimum 1" in message
 
 
-def test_a_dead_leased_replica_fails_the_run_and_redis_loss_fails_closed(
+def test_a_dead_leased_replica_breaks_a_pinned_run_and_redis_loss_fails_closed(
     replicas: dict[str, Replica], redis_server: RedisServer
 ) -> None:
-    """The leased replica dies mid-run: 503 with the reason, run failed, lease released, and no
-    move to another replica. Without Redis, eval requests get 503 while production flows."""
+    """The leased replica of a run pinned to it dies mid-run: the run cannot move (no other
+    replica for the pinned key), so it is broken with the reason, 503, lease released, and no
+    request is served elsewhere. Without Redis, eval requests get 503 while production flows."""
     with launch([ReplicaSpec("f1")]) as (doomed,):
         proxy = Proxy([replicas["r2"], doomed], redis_server.url)
         proxy.start()
@@ -186,9 +187,10 @@ def test_a_dead_leased_replica_fails_the_run_and_redis_loss_fails_closed(
                 with pytest.raises(openai.APIStatusError) as failed:
                     complete(sdk, "second request")
                 assert failed.value.response.status_code == 503
-                assert f"run {run} failed" in failed.value.response.json()["error"]["message"]
+                message = failed.value.response.json()["error"]["message"]
+                assert f"run {run} broken" in message and "cannot move" in message
             status, body = admin(proxy, "GET", f"/admin/runs/{run}")
-            assert body["run"]["status"] == "failed" and "f1" in body["run"]["end_reason"]
+            assert body["run"]["status"] == "broken" and "f1" in body["run"]["end_reason"]
             assert [
                 r["leased_by"] for r in admin(proxy, "GET", "/admin/replicas")[1]["replicas"]
             ] == [None, None]

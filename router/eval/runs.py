@@ -1,12 +1,14 @@
 """Eval runs: begin (``begin``), end, fail, break, and end by idle timeout.
 
 A failed or broken run stays its arm's current run, answering 503 with the reason, until it is
-ended or a new run is begun: nothing moves it silently to another replica.
+ended or a new run is begun: a run moves to another replica only by a verified failover,
+recorded in the run (``router.eval.failover``), never silently.
 
 Run status: ``beginning`` → ``live`` → ``ended`` (explicitly, superseded, or idle), or
-``failed`` (the begin failed, its proxy died while beginning, its replica failed mid-run, or a
-reset for it was interrupted), or ``broken`` (its chain order is no longer the cache's order:
-its lease or its turn was lost, or a chain step had to wait for Redis).
+``failed`` (the begin failed, its proxy died while beginning, or a reset for it was
+interrupted), or ``broken`` (its chain order is no longer the cache's order: its lease or its
+turn was lost, or a chain step had to wait for Redis; or its replica failed and it could not
+move: ``router.eval.failover``).
 
 Each monitor tick (``tick``) learns leases and reset marks, finishes resets whose proxy died
 (``reset.Resetter.recover``), fails beginning runs whose proxy died, and ends idle runs.
