@@ -88,9 +88,16 @@ def _traffic(proxy: Proxy, key: str, stop: threading.Event, out: list[dict[str, 
         i += 1
 
 
-def _play(sdk: openai.OpenAI, episodes: list[Episode]) -> list[dict[str, Any]]:
+class Broken(Exception):
+    """The run answered 503 saying it is broken (the message)."""
+
+
+def _play(
+    sdk: openai.OpenAI, episodes: list[Episode], *, until_broken: bool = False
+) -> list[dict[str, Any]]:
     """The episodes' requests in order; a request refused 503 while Redis fails over (the run's
-    arm or lease unreadable: refused before the replica ran it) is sent again, boundedly."""
+    arm or lease unreadable: refused before the replica ran it) is sent again, boundedly. With
+    ``until_broken``, a 503 saying the run is broken raises :class:`Broken`."""
     records = []
     for episode in episodes:
         outputs: list[str] = []
@@ -101,6 +108,10 @@ def _play(sdk: openai.OpenAI, episodes: list[Episode]) -> list[dict[str, Any]]:
                     text, _headers, record = complete(sdk, episode.render(outputs), episode.id)
                     break
                 except openai.InternalServerError as exc:
+                    message = str(exc.response.json()["error"]["message"])
+                    broken = re.search(r"\brun \S+ broken\b", message)
+                    if until_broken and exc.status_code == 503 and broken:
+                        raise Broken(message) from exc
                     if exc.status_code != 503 or time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)
@@ -139,22 +150,10 @@ def _stream_ids(cluster: LocalCluster, replicas: list[str]) -> list[str]:
 
 def _play_or_break(sdk: openai.OpenAI, episodes: list[Episode]) -> str:
     """Like ``_play``, but a 503 that says the run is broken ends it: that message (or "")."""
-    for episode in episodes:
-        outputs: list[str] = []
-        for _ in range(episode.turns):
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    text = complete(sdk, episode.render(outputs), episode.id)[0]
-                    break
-                except openai.InternalServerError as exc:
-                    message = str(exc.response.json()["error"]["message"])
-                    if exc.status_code == 503 and re.search(r"\brun \S+ broken\b", message):
-                        return message
-                    if exc.status_code != 503 or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
-            outputs.append(text)
+    try:
+        _play(sdk, episodes, until_broken=True)
+    except Broken as exc:
+        return str(exc)
     return ""
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 import orjson
 import urllib3
@@ -28,21 +28,19 @@ from tests.servers import RedisServer
 HTTP = urllib3.PoolManager(maxsize=16)
 
 
-class Forwarder:
-    """HTTP/1.1 requests passed to a replica; while ``drop`` is set, a generate request is read
-    (its id kept in ``dropped``) and its connection closed, unanswered."""
+class Relay:
+    """A server on its own thread and loop, on a free port, in front of a replica's port
+    (``upstream``); ``drop`` arms the subclass's misbehaviour."""
 
     def __init__(self, upstream: int) -> None:
         self.upstream = upstream
         self.drop = False
-        self.dropped: list[str] = []
-        self.connections = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
 
-    def __enter__(self) -> Forwarder:
+    def __enter__(self) -> Self:
         self._thread.start()
         self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self
@@ -59,6 +57,19 @@ class Forwarder:
     async def _start(self) -> int:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return int(self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class Forwarder(Relay):
+    """HTTP/1.1 requests passed to a replica; while ``drop`` is set, a generate request is read
+    (its id kept in ``dropped``) and its connection closed, unanswered."""
+
+    def __init__(self, upstream: int) -> None:
+        super().__init__(upstream)
+        self.dropped: list[str] = []
+        self.connections = 0
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -99,7 +110,7 @@ def forwarded(replica: Replica) -> Iterator[tuple[Forwarder, Replica]]:
         yield forwarder, dataclasses.replace(replica, http_port=forwarder.port)
 
 
-class GrpcDropper:
+class GrpcDropper(Relay):
     """A TCP relay in front of a replica's gRPC port; while ``drop`` is set, the next large
     chunk from the proxy (a generate request: HTTP/2 headers and the request message) is passed
     to the replica, whose answer is withheld, and the connection is closed a moment later: the
@@ -108,31 +119,8 @@ class GrpcDropper:
     LARGE = 256  # bytes: HTTP/2 pings and settings are smaller, a generate request larger
 
     def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
-        self.drop = False
+        super().__init__(upstream)
         self.dropped: list[bytes] = []
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: asyncio.Server | None = None
-
-    def __enter__(self) -> GrpcDropper:
-        self._thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        async def stop() -> None:
-            if self._server is not None:
-                self._server.close()
-
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    async def _start(self) -> int:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
@@ -192,6 +180,39 @@ def known(view: LedgerView, replica: str) -> bool:
     return view._run(go)
 
 
+def until_dropped(
+    proxy: Proxy, key: str, relay: Forwarder | GrpcDropper, prompt: str, tries: int
+) -> list[urllib3.BaseHTTPResponse]:
+    """Requests with the relay's drop armed, until one was dropped; every one answered 200
+    (the dropped one by another replica)."""
+    relay.drop = True
+    answers = []
+    for i in range(tries):
+        answers.append(complete(proxy, key, f"{prompt} {i}"))
+        if relay.dropped:
+            break
+    relay.drop = False
+    assert all(a.status == 200 for a in answers), proxy.log[-3000:]
+    return answers
+
+
+def assert_lost_on_r1_and_moved_to_r2(url: str, lost_id: str) -> None:
+    """One record of the lost request on r1 (error, unordered, saying why), r1's state unknown
+    since, the request served by r2 saying it moved; both chains audit clean."""
+    view = LedgerView(url)
+    on_r1 = [r for r in view.tail(replica="r1") if r["request_id"] == lost_id]
+    assert len(on_r1) == 1, on_r1
+    assert on_r1[0]["status"] == "error" and on_r1[0]["unordered"]
+    assert "failed without an answer" in on_r1[0]["warning"]
+    served = view.record(lost_id)
+    assert served is not None and served["replica"] == "r2"
+    assert "moved after" in served["warning"]
+    assert not known(view, "r1")  # unknown since the lost request
+    for replica in ("r1", "r2"):
+        found = audit(view, replica)
+        assert found.ok, found.findings
+
+
 def test_production_request_dropped_after_the_write_runs_once_there_and_moves(
     replicas: dict[str, Replica], redis_server: RedisServer
 ) -> None:
@@ -204,29 +225,11 @@ def test_production_request_dropped_after_the_write_runs_once_there_and_moves(
                 warm = list(pool.map(lambda i: complete(proxy, key, f"warm {i}"), range(8)))
             assert all(r.status == 200 for r in warm)
             assert forwarder.connections >= 2
-            forwarder.drop = True
-            answers = []
-            for i in range(8):
-                answers.append(complete(proxy, key, f"dropped {i}"))
-                if forwarder.dropped:
-                    break
-            forwarder.drop = False
-            assert all(a.status == 200 for a in answers), proxy.log[-3000:]
+            answers = until_dropped(proxy, key, forwarder, "dropped", 8)
             (lost_id,) = forwarder.dropped  # one copy reached r1, whatever was idle
             answer = next(a for a in answers if a.headers["X-Request-Id"] == lost_id)
             assert answer.headers["X-Kvl-Replica"] == "r2"
-            view = LedgerView(redis_server.url)
-            on_r1 = [r for r in view.tail(replica="r1") if r["request_id"] == lost_id]
-            assert len(on_r1) == 1
-            assert on_r1[0]["status"] == "error" and on_r1[0]["unordered"]
-            assert "failed without an answer" in on_r1[0]["warning"]
-            served = view.record(lost_id)
-            assert served is not None and served["replica"] == "r2"
-            assert "moved after" in served["warning"]
-            assert not known(view, "r1")  # unknown since the lost request
-            for replica in ("r1", "r2"):
-                found = audit(view, replica)
-                assert found.ok, found.findings
+            assert_lost_on_r1_and_moved_to_r2(redis_server.url, lost_id)
         finally:
             proxy.stop()
 
@@ -280,29 +283,11 @@ def test_a_grpc_request_whose_stream_breaks_after_it_left_is_recorded_and_moves(
             warm = [complete(proxy, key, f"warm {i}") for i in range(4)]
             assert all(r.status == 200 for r in warm)
             assert {r.headers["X-Kvl-Replica"] for r in warm} == {"r1", "r2"}
-            dropper.drop = True
-            answers = []
-            for i in range(4):
-                answers.append(complete(proxy, key, f"dropped over grpc {i}"))
-                if dropper.dropped:
-                    break
-            dropper.drop = False
-            assert all(a.status == 200 for a in answers), proxy.log[-3000:]
+            answers = until_dropped(proxy, key, dropper, "dropped over grpc", 4)
             (chunk,) = dropper.dropped
             (answer,) = [a for a in answers if a.headers["X-Request-Id"].encode() in chunk]
-            lost_id = answer.headers["X-Request-Id"]
             assert answer.headers["X-Kvl-Replica"] == "r2"
-            view = LedgerView(redis_server.url)
-            on_r1 = [r for r in view.tail(replica="r1") if r["request_id"] == lost_id]
-            assert len(on_r1) == 1, on_r1
-            assert on_r1[0]["status"] == "error" and on_r1[0]["unordered"]
-            assert "failed without an answer" in on_r1[0]["warning"]
-            served = view.record(lost_id)
-            assert served is not None and "moved after" in served["warning"]
-            assert not known(view, "r1")
-            for replica in ("r1", "r2"):
-                found = audit(view, replica)
-                assert found.ok, found.findings
+            assert_lost_on_r1_and_moved_to_r2(redis_server.url, answer.headers["X-Request-Id"])
         finally:
             proxy.stop()
 
