@@ -124,8 +124,10 @@ async def read_json(request: web.BaseRequest) -> dict[str, Any]:
     except web.RequestPayloadError as exc:
         lines = str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__]
         raise BadRequest(f"the request body could not be read: {lines[-1].strip()}") from exc
-    # Two Content-Encoding lines are one list (RFC 9110, 5.3), as if joined by commas.
-    encoding = ", ".join(request.headers.getall("Content-Encoding", ())) or None
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is not None:
+        # Two Content-Encoding lines are one list (RFC 9110, 5.3), as if joined by commas.
+        encoding = ", ".join(request.headers.getall("Content-Encoding"))
     return load_json(decode_body(raw, encoding, request.client_max_size))
 
 
