@@ -15,6 +15,7 @@ Used by the ``kvledger replicas up`` command, the README's demo and the tests::
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import shutil
 import signal
@@ -183,12 +184,15 @@ def server_command(replica: Replica, backends: Path) -> list[str]:
     ]
 
 
-def start(spec: ReplicaSpec, root: Path, backends: Path) -> Replica:
-    """Start one replica's server (without waiting for it to be ready)."""
-    http, grpc, metrics = free_ports(3)
+def start(
+    spec: ReplicaSpec, root: Path, backends: Path, ports: Sequence[int] | None = None
+) -> Replica:
+    """Start one replica's server (without waiting for it to be ready) on ``ports`` (HTTP,
+    gRPC, metrics), or on three ports free now."""
+    http_port, grpc_port, metrics_port = ports if ports is not None else free_ports(3)
     workdir = root / spec.id
     workdir.mkdir(parents=True, exist_ok=True)
-    replica = Replica(spec, http, grpc, metrics, workdir)
+    replica = Replica(spec, http_port, grpc_port, metrics_port, workdir)
     write_repository(workdir, spec.model)
     log = replica.log_path.open("ab")
     replica.process = subprocess.Popen(
@@ -208,8 +212,8 @@ def is_ready(replica: Replica) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        return False  # not up yet, or something else answers on the port (not our server)
 
 
 def wait_ready(replicas: Sequence[Replica], timeout: float = 120.0) -> None:
@@ -289,7 +293,13 @@ def launch(
     replicas: list[Replica] = []
     try:
         backends = backend_directory(root / "backends")
-        replicas.extend(start(spec, root, backends) for spec in specs)
+        # Every replica's ports in one call: ports asked for one replica at a time may repeat
+        # (the kernel hands a port out again until the server that was given it binds it),
+        # and a replica's HTTP port would then be another's gRPC port.
+        ports = free_ports(3 * len(specs))
+        replicas.extend(
+            start(spec, root, backends, ports[3 * i : 3 * i + 3]) for i, spec in enumerate(specs)
+        )
         wait_ready(replicas, timeout)
         yield replicas
     finally:
