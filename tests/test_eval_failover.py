@@ -178,6 +178,16 @@ def proxy_metrics(proxy: Proxy) -> str:
     return HTTP.request("GET", proxy.url + "/metrics").data.decode()
 
 
+def assert_broken(proxy: Proxy, sdk: openai.OpenAI, run: str, why: str, prompt: str) -> None:
+    """The run is broken saying ``why``, and the arm's next request gets a 503 saying it."""
+    meta = run_of(proxy, run)
+    assert meta["status"] == "broken" and why in meta["end_reason"], meta
+    with pytest.raises(openai.APIStatusError) as refused:
+        complete(sdk, prompt)
+    assert refused.value.response.status_code == 503
+    assert why in refused.value.response.json()["error"]["message"]
+
+
 def test_a_replay_arm_and_an_off_arm_move_and_a_shared_arm_breaks(proxy: Proxy) -> None:
     """A `replay:` arm moves (the snapshot and the run replayed) and an `off` arm moves with
     nothing to replay; a `shared` arm cannot move and breaks, naming why."""
@@ -198,12 +208,7 @@ def test_a_replay_arm_and_an_off_arm_move_and_a_shared_arm_breaks(proxy: Proxy) 
     leased = run_of(proxy, run)["replica"]
     assert "not moved" in move_runs(proxy, leased)
     undrain(proxy, leased)
-    meta = run_of(proxy, run)
-    assert meta["status"] == "broken" and "not reproducible" in meta["end_reason"]
-    with pytest.raises(openai.APIStatusError) as refused:
-        complete(sdk, "after the break")
-    assert refused.value.response.status_code == 503
-    assert "not reproducible" in refused.value.response.json()["error"]["message"]
+    assert_broken(proxy, sdk, run, "not reproducible", "after the break")
 
 
 def test_a_replica_that_cannot_reproduce_the_history_breaks_the_run(
@@ -224,12 +229,7 @@ def test_a_replica_that_cannot_reproduce_the_history_breaks_the_run(
         for switch in switches:
             switch.unlink()
     assert "not moved" in out and "another output" in out, out
-    meta = run_of(proxy, run)
-    assert meta["status"] == "broken" and "did not reproduce" in meta["end_reason"]
-    with pytest.raises(openai.APIStatusError) as refused:
-        complete(sdk, "perturbed 3")
-    assert refused.value.response.status_code == 503
-    assert "did not reproduce" in refused.value.response.json()["error"]["message"]
+    assert_broken(proxy, sdk, run, "did not reproduce", "perturbed 3")
     served = [r for r in cli_records(proxy, run) if r.get("policy") != "replay"]
     assert [r["request_id"] for r in served] == [r["request_id"] for r in records]
     undrain(proxy, leased)

@@ -18,7 +18,7 @@ from router.ledger.audit import history, history_json
 from router.ledger.epoch import LOST_REASON, EpochInfo
 from router.ledger.persistence import kind
 from tests.proxy_harness import Proxy
-from tests.servers import RedisServer
+from tests.servers import RedisServer, redis_answers
 from tests.test_ledger_truth import audit, complete, spooled, stream_records
 
 HTTP = urllib3.PoolManager()
@@ -183,7 +183,7 @@ def test_a_redis_refusing_config_reads_unknown_and_the_proxy_serves(
     )
     proxy = Proxy([replicas["r1"]], f"redis://127.0.0.1:{port}/0")
     try:
-        _wait(lambda: _ping(port), "the redis-server")
+        _wait(lambda: redis_answers(f"redis://127.0.0.1:{port}"), "the redis-server")
         proxy.start()
         assert _readyz(proxy)["redis_persistence"] == "unknown"
         assert _events(proxy, "redis_without_persistence") == []
@@ -193,16 +193,6 @@ def test_a_redis_refusing_config_reads_unknown_and_the_proxy_serves(
         proxy.stop()
         server.terminate()
         server.wait(timeout=30)
-
-
-def _ping(port: int) -> bool:
-    client = redis.Redis(port=port)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
 
 
 def test_persistence_kinds() -> None:

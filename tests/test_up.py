@@ -19,6 +19,7 @@ import redis
 import urllib3
 
 from backends.sim.launcher import free_ports
+from tests.servers import redis_answers
 
 
 def start_up(
@@ -173,7 +174,7 @@ def test_up_keeps_records_and_keys_across_a_redis_crash_and_a_restart(tmp_path: 
                 restarted = subprocess.Popen(
                     command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
                 )
-                wait_for(lambda: _answers(redis_url), "the restarted Redis")
+                wait_for(lambda: redis_answers(redis_url), "the restarted Redis")
                 after = len(answered)
                 wait_for(lambda: len(answered) >= after + 10, "answers after the restart")
             finally:
@@ -216,13 +217,3 @@ def wait_for(condition: Any, what: str, timeout_s: float = 90) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
-
-
-def _answers(redis_url: str) -> bool:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
